@@ -1,0 +1,186 @@
+r"""`iterate`: the trajectory $x_0, f(x_0), \dots, f^{d-1}(x_0)$ of any step $f$.
+
+The forward pass is one `lax.scan`. The reverse pass is written by hand
+(`equinox.filter_custom_vjp`) and saves only the trajectory it returns. With output
+cotangents $g_0, \dots, g_{d-1}$ and step parameters $\theta$, the adjoint states are
+
+$$\lambda_{d-1} = g_{d-1}, \qquad
+  \lambda_k = g_k + \left(\partial_x f(x_k)\right)^\top \lambda_{k+1},$$
+
+the gradient of $x_0$ is $\lambda_0$, and the gradient of $\theta$ is
+$\sum_{k=0}^{d-2} \left(\partial_\theta f(x_k)\right)^\top \lambda_{k+1}$.
+
+One reverse `lax.scan` recomputes each step's VJP from the stored state $x_k$ and
+accumulates the parameter gradient in its carry. Nothing the step computes internally
+(the hidden layer of an MLP, say) is saved between the passes, so residual memory is
+the trajectory alone, whatever the width of the step.
+"""
+
+from typing import Any, Literal, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax import lax
+
+from ._checks import as_array, check_choice, check_depth
+
+ADJOINTS = ("custom_vjp", "autodiff")
+_State = TypeVar("_State")
+
+
+def iterate(
+    step: Any,
+    x0: _State,
+    d: int,
+    *,
+    adjoint: Literal["custom_vjp", "autodiff"] = "custom_vjp",
+) -> _State:
+    r"""Stack the trajectory $x_0, f(x_0), f(f(x_0)), \dots$ of $d$ states.
+
+    The general recurrence $x_{k+1} = f(x_k)$, possibly nonlinear, where the state is
+    any pytree of arrays. [`krylovjax.krylov`][] is the linear special case with
+    matrix-specific shortcuts; use `iterate` for everything else.
+
+    **Arguments:**
+
+    - `step`: the map $f$. A callable taking and returning a pytree with the same
+        structure, shapes and dtypes as `x0`: a function (which may close over
+        arrays), an `equinox.Module`, a bound method. Gradients reach every
+        floating-point array it holds.
+    - `x0`: the initial state, a pytree of floating-point or complex arrays.
+    - `d`: the number of states, a static Python `int >= 1` (so $d - 1$ steps).
+    - `adjoint`: `"custom_vjp"` (default) uses the hand-written reverse pass, which
+        saves only the returned trajectory and recomputes each step's VJP from it;
+        forward mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) then raises a
+        `TypeError`. `"autodiff"` differentiates the same `lax.scan` with JAX's own
+        rules, so forward mode works, at the cost of saving every step's internals
+        in reverse mode.
+
+    **Returns:**
+
+    A pytree like `x0` whose every leaf has a new leading axis of length `d`
+    (the `lax.scan` convention).
+
+    !!! Example
+
+        ```python
+        >>> import jax, jax.numpy as jnp
+        >>> import krylovjax
+        >>> w = jnp.array(0.5)
+        >>> xs = krylovjax.iterate(lambda x: jnp.tanh(w * x), jnp.array([1.0, 2.0]), 3)
+        >>> xs.shape
+        (3, 2)
+        >>> grad = jax.grad(lambda x: krylovjax.iterate(jnp.sin, x, 5).sum())
+        >>> grad(jnp.array(0.0))
+        Array(5., dtype=float32, weak_type=True)
+
+        ```
+    """
+    d = check_depth(d, "iterate")
+    check_choice(adjoint, ADJOINTS, "iterate(adjoint=...)")
+    x0 = _as_state(x0)
+    if not callable(step):
+        msg = (
+            f"`iterate(step=...)` must be callable; got an object of type "
+            f"{type(step).__name__}."
+        )
+        raise TypeError(msg)
+    step = eqx.filter_closure_convert(step, x0)
+    _check_step_output(jax.eval_shape(step, x0), x0)
+    if d == 1:
+        return jtu.tree_map(lambda x: x[None], x0)
+    if adjoint == "custom_vjp":
+        return _iterate_custom_vjp((step, x0), d)
+    return iterate_scan(step, x0, d)
+
+
+def _as_state(x0: Any) -> Any:
+    leaves, treedef = jtu.tree_flatten(x0)
+    if not leaves:
+        msg = "`iterate(x0=...)` must hold at least one array; got an empty pytree."
+        raise ValueError(msg)
+    leaves = [as_array(leaf, "iterate(x0=...)") for leaf in leaves]
+    return jtu.tree_unflatten(treedef, leaves)
+
+
+def _check_step_output(out: Any, x0: Any) -> None:
+    x0_struct = jax.eval_shape(lambda: x0)
+    if jtu.tree_structure(out) != jtu.tree_structure(x0_struct):
+        msg = (
+            f"`iterate(step=...)` must return a pytree with the structure of `x0`, "
+            f"{jtu.tree_structure(x0_struct)}; it returned {jtu.tree_structure(out)}."
+        )
+        raise TypeError(msg)
+    for got, want in zip(jtu.tree_leaves(out), jtu.tree_leaves(x0_struct), strict=True):
+        if got.shape != want.shape:
+            msg = (
+                f"`iterate(step=...)` must return arrays of the same shapes as `x0`; "
+                f"expected shape {want.shape}, got {got.shape}."
+            )
+            raise ValueError(msg)
+        if got.dtype != want.dtype:
+            msg = (
+                f"`iterate(step=...)` must return arrays of the same dtypes as `x0`; "
+                f"expected dtype {want.dtype}, got {got.dtype}."
+            )
+            raise TypeError(msg)
+
+
+def iterate_scan(step: Any, x0: Any, d: int) -> Any:
+    """The forward pass: one `lax.scan`, states stacked on a new leading axis."""
+
+    def body(x, _):
+        y = step(x)
+        return y, y
+
+    _, rest = lax.scan(body, x0, length=d - 1)
+    return jtu.tree_map(lambda a, b: jnp.concatenate([a[None], b]), x0, rest)
+
+
+@eqx.filter_custom_vjp
+def _iterate_custom_vjp(vjp_arg, d):
+    step, x0 = vjp_arg
+    return iterate_scan(step, x0, d)
+
+
+@_iterate_custom_vjp.def_fwd
+def _iterate_fwd(perturbed, vjp_arg, d):
+    del perturbed
+    xs = _iterate_custom_vjp.fn(vjp_arg, d)
+    return xs, xs
+
+
+@_iterate_custom_vjp.def_bwd
+def _iterate_bwd(xs, g, perturbed, vjp_arg, d):
+    step, _ = vjp_arg
+    step_perturbed, _ = perturbed
+    g = jtu.tree_map(
+        lambda x, gx: jnp.zeros_like(x) if gx is None else gx,
+        xs,
+        g,
+        is_leaf=lambda v: v is None,
+    )
+    diff, static = eqx.partition(step, eqx.is_inexact_array)
+    want_params = any(jtu.tree_leaves(step_perturbed))
+
+    def body(carry, k):
+        lam_next, acc = carry
+        x_k = jtu.tree_map(lambda x: x[k], xs)
+        if want_params:
+            _, vjp = jax.vjp(lambda p, x: eqx.combine(p, static)(x), diff, x_k)
+            ct_params, ct_x = vjp(lam_next)
+            acc = jtu.tree_map(jnp.add, acc, ct_params)
+        else:
+            _, vjp = jax.vjp(step, x_k)
+            (ct_x,) = vjp(lam_next)
+        lam = jtu.tree_map(lambda gk, c: gk[k] + c, g, ct_x)
+        return (lam, acc), None
+
+    lam_last = jtu.tree_map(lambda gx: gx[d - 1], g)
+    acc0 = jtu.tree_map(jnp.zeros_like, diff) if want_params else None
+    (lam0, acc), _ = lax.scan(body, (lam_last, acc0), jnp.arange(d - 1), reverse=True)
+    if not want_params:
+        acc = jtu.tree_map(lambda _: None, diff)
+    return acc, lam0

@@ -1,0 +1,223 @@
+r"""One internal form for every operator that `krylov` accepts.
+
+`krylov(A, x0, d)` accepts a dense `(n, n)` array, a
+`jax.experimental.sparse.BCOO` matrix, or any callable that maps arrays of `x0`'s
+shape to arrays of the same shape and dtype (a closure, an `equinox.Module`, a bound
+method such as a lineax operator's `.mv`). `as_operator` turns each of these into an
+[`AbstractOperator`][] so that the algorithms are written once. An operator is a
+pytree whose floating-point leaves are exactly the arrays that gradients must reach:
+the dense matrix, the BCOO values, or every array a callable closes over (made
+explicit by `equinox.filter_closure_convert`).
+
+Every operator offers the four things the forward and reverse passes need:
+
+- `mv(x)`: $A x$ for one vector (or block) of `x0`'s shape;
+- `transpose(like)`: a function $y \mapsto A^\top y$, which is the vector-Jacobian
+  product of $x \mapsto A x$ (JAX's convention: the transpose, not the conjugate
+  transpose, also for complex dtypes);
+- `mm(xs)`: $A$ applied to a stack of inputs along a new leading axis, in one batched
+  call;
+- `param_vjp(xs, cts)`: the cotangent of the operator's arrays for
+  $\sum_k \langle \bar y_k, A x_k \rangle$, computed as one batched operation over
+  the whole stack (one GEMM for a dense matrix, one sampled product for BCOO, one
+  batched VJP for a callable) rather than $k$ sequential rank-one updates.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import sparse
+from jaxtyping import Array, Inexact, Shaped
+
+from ._checks import check_inexact
+
+
+class AbstractOperator(eqx.Module):
+    """A linear operator in the form the algorithms consume."""
+
+    def mv(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def transpose(self, like: Array) -> Callable[[Array], Array]:
+        raise NotImplementedError
+
+    def mm(self, xs: Array) -> Array:
+        return jax.vmap(self.mv)(xs)
+
+    def param_vjp(self, xs: Array, cts: Array) -> "AbstractOperator":
+        raise NotImplementedError
+
+
+def _cotangent(operator: AbstractOperator) -> AbstractOperator:
+    # `equinox.filter_custom_vjp` wants cotangents with the structure of
+    # `equinox.filter(vjp_arg, equinox.is_inexact_array)`.
+    return eqx.filter(operator, eqx.is_inexact_array)
+
+
+class DenseOperator(AbstractOperator):
+    """A dense square matrix."""
+
+    matrix: Inexact[Array, "n n"]
+
+    def mv(self, x: Shaped[Array, "n ..."]) -> Shaped[Array, "n ..."]:
+        return self.matrix @ x
+
+    def transpose(self, like: Array) -> Callable[[Array], Array]:
+        del like
+        return lambda y: self.matrix.T @ y
+
+    def mm(self, xs: Shaped[Array, "k n *b"]) -> Shaped[Array, "k n *b"]:
+        return jnp.einsum("nm,km...->kn...", self.matrix, xs)
+
+    def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
+        # sum_k ct_k x_k^T: contract the stack axis and any block axis in one GEMM.
+        axes = (0, *range(2, xs.ndim))
+        grad = lax.dot_general(cts, xs, ((axes, axes), ((), ())))
+        return _cotangent(DenseOperator(grad))
+
+
+class SparseOperator(AbstractOperator):
+    """A two-dimensional `jax.experimental.sparse.BCOO` matrix."""
+
+    matrix: sparse.BCOO
+
+    def mv(self, x: Array) -> Array:
+        return self.matrix @ x
+
+    def transpose(self, like: Array) -> Callable[[Array], Array]:
+        del like
+        transposed = self.matrix.T
+        return lambda y: transposed @ y
+
+    def mm(self, xs: Array) -> Array:
+        return jnp.moveaxis(self.matrix @ _as_columns(xs), 0, 1).reshape(xs.shape)
+
+    def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
+        # One batched VJP with respect to the stored values: the sampled product
+        # data_j -> sum_k ct_k[row_j] x_k[col_j], for all k at once.
+        indices, shape = self.matrix.indices, self.matrix.shape
+
+        def apply(data):
+            return sparse.BCOO((data, indices), shape=shape) @ _as_columns(xs)
+
+        _, vjp = jax.vjp(apply, self.matrix.data)
+        (grad,) = vjp(_as_columns(cts))
+        return _cotangent(SparseOperator(sparse.BCOO((grad, indices), shape=shape)))
+
+
+def _as_columns(xs: Shaped[Array, "k n *b"]) -> Shaped[Array, "n k*b"]:
+    """Stack of k inputs (k, n, *b) -> one (n, k*prod(b)) matrix."""
+    return jnp.moveaxis(xs, 0, 1).reshape(xs.shape[1], -1)
+
+
+class FunctionOperator(AbstractOperator):
+    """A linear callable, closure-converted so that its arrays are pytree leaves."""
+
+    fn: Callable
+
+    def mv(self, x: Array) -> Array:
+        return self.fn(x)
+
+    def transpose(self, like: Array) -> Callable[[Array], Array]:
+        # The operator is linear, so its VJP at any point is A^T. Linearise once, at
+        # zero, outside of any loop; the returned function is reused at every step.
+        _, vjp = jax.vjp(self.fn, jnp.zeros_like(like))
+        return lambda y: vjp(y)[0]
+
+    def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
+        diff, static = eqx.partition(self.fn, eqx.is_inexact_array)
+
+        def apply(diff):
+            return jax.vmap(eqx.combine(diff, static))(xs)
+
+        _, vjp = jax.vjp(apply, diff)
+        (grad,) = vjp(cts)
+        return _cotangent(FunctionOperator(grad))
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, jax.ShapeDtypeStruct | jax.Array) or hasattr(x, "dtype"):
+        return f"shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"an object of type {type(x).__name__}"
+
+
+def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Array]:
+    """Validate `A` against `x0` and return `(operator, x0)` in the internal form.
+
+    For a matrix `A` (dense or BCOO) the dtypes of `A` and `x0` are promoted to their
+    common type (`jnp.result_type`), so a complex matrix with a real `x0` gives a
+    complex Krylov matrix. A callable must itself return `x0`'s shape and dtype.
+    """
+    arg = f"{fn_name}(A=...)"
+    if isinstance(A, sparse.BCOO):
+        _check_matrix_shape(A.shape, x0, fn_name)
+        if A.n_batch != 0 or A.n_dense != 0:
+            msg = (
+                f"`{arg}` must be a BCOO matrix with n_batch=0 and n_dense=0; got "
+                f"n_batch={A.n_batch} and n_dense={A.n_dense}."
+            )
+            raise ValueError(msg)
+        check_inexact(A.data, arg)
+        dtype = jnp.result_type(A.dtype, x0.dtype)
+        data = A.data.astype(dtype)
+        matrix = sparse.BCOO((data, A.indices), shape=A.shape)
+        return SparseOperator(matrix), x0.astype(dtype)
+    if isinstance(A, jax.Array | jax.core.Tracer) or _is_numpy_array(A):
+        A = jnp.asarray(A)
+        _check_matrix_shape(A.shape, x0, fn_name)
+        check_inexact(A, arg)
+        dtype = jnp.result_type(A.dtype, x0.dtype)
+        return DenseOperator(A.astype(dtype)), x0.astype(dtype)
+    if callable(A):
+        fn = eqx.filter_closure_convert(A, x0)
+        out = jax.eval_shape(fn, x0)
+        if not isinstance(out, jax.ShapeDtypeStruct):
+            msg = (
+                f"`{arg}` must be a callable that returns one array of the same shape "
+                f"and dtype as `x0`; it returned a pytree {out}."
+            )
+            raise TypeError(msg)
+        if out.shape != x0.shape:
+            msg = (
+                f"`{arg}` must be a callable that returns an array of the same shape "
+                f"as `x0`, {x0.shape}; it returned shape {out.shape}."
+            )
+            raise ValueError(msg)
+        if out.dtype != x0.dtype:
+            msg = (
+                f"`{arg}` must be a callable that returns an array of the same dtype "
+                f"as `x0`, {x0.dtype}; it returned dtype {out.dtype}."
+            )
+            raise TypeError(msg)
+        return FunctionOperator(fn), x0
+    msg = (
+        f"`{arg}` must be a square array, a `jax.experimental.sparse.BCOO` matrix or "
+        f"a callable; got {_describe(A)}."
+    )
+    raise TypeError(msg)
+
+
+def _is_numpy_array(A: Any) -> bool:
+    return type(A).__module__ == "numpy" and hasattr(A, "shape")
+
+
+def _check_matrix_shape(shape: tuple[int, ...], x0: Array, fn_name: str) -> None:
+    if len(shape) != 2 or shape[0] != shape[1]:
+        msg = f"`{fn_name}(A=...)` must be a square matrix; got shape {tuple(shape)}."
+        raise ValueError(msg)
+    if x0.ndim not in (1, 2):
+        msg = (
+            f"`{fn_name}(x0=...)` must have shape (n,) or (n, b) when `A` is a matrix; "
+            f"got shape {x0.shape}."
+        )
+        raise ValueError(msg)
+    if x0.shape[0] != shape[0]:
+        msg = (
+            f"`{fn_name}(x0=...)` must have first axis of length {shape[0]} to match "
+            f"`A` of shape {tuple(shape)}; got shape {x0.shape}."
+        )
+        raise ValueError(msg)
