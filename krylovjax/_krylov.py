@@ -37,6 +37,7 @@ from ._operator import AbstractOperator, as_operator
 
 LAYOUTS = ("columns", "rows")
 ADJOINTS = ("custom_vjp", "autodiff")
+METHODS = ("auto", "scan")
 
 
 def krylov(
@@ -46,6 +47,7 @@ def krylov(
     *,
     layout: Literal["columns", "rows"] = "columns",
     adjoint: Literal["custom_vjp", "autodiff"] = "custom_vjp",
+    method: Literal["auto", "scan"] = "auto",
 ) -> Inexact[Array, "..."]:
     r"""Build the Krylov matrix $[x_0, A x_0, A^2 x_0, \dots, A^{d-1} x_0]$.
 
@@ -83,6 +85,8 @@ def krylov(
         `jax.hessian`) raises a `TypeError`. `"autodiff"` differentiates the same
         `lax.scan` with JAX's own rules: forward mode works, and reverse mode costs
         more time and memory.
+    - `method`: how the vectors are built. `"scan"`: one sequential `lax.scan`.
+        `"auto"` (default) picks the method; today that is always `"scan"`.
 
     **Returns:**
 
@@ -106,6 +110,7 @@ def krylov(
     d = check_depth(d, "krylov")
     check_choice(layout, LAYOUTS, "krylov(layout=...)")
     check_choice(adjoint, ADJOINTS, "krylov(adjoint=...)")
+    check_choice(method, METHODS, "krylov(method=...)")
     x0 = as_array(x0, "krylov(x0=...)")
     if x0.ndim == 0:
         msg = "`krylov(x0=...)` must have at least one axis; got a scalar of shape ()."
