@@ -94,7 +94,10 @@ class SparseOperator(AbstractOperator):
         return lambda y: transposed @ y
 
     def mm(self, xs: Array) -> Array:
-        return jnp.moveaxis(self.matrix @ _as_columns(xs), 0, 1).reshape(xs.shape)
+        # (n, k*prod(b)) -> (n, k, *b) -> (k, n, *b). Reshaping the transposed
+        # product straight to xs.shape would mix the stack and block axes.
+        out = self.matrix @ _as_columns(xs)
+        return jnp.moveaxis(out.reshape(xs.shape[1], xs.shape[0], *xs.shape[2:]), 0, 1)
 
     def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
         # One batched VJP with respect to the stored values: the sampled product
