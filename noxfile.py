@@ -1,0 +1,40 @@
+"""Sessions that mirror CI: `nox -s tests lint examples docs bench`."""
+
+import glob
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "examples", "docs"]
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python="3.11")
+def examples(session: nox.Session) -> None:
+    session.install("-e", ".[examples]")
+    for path in sorted(glob.glob("examples/*.py")):
+        session.run("python", path)
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    session.install("-e", ".[bench]")
+    for path in sorted(glob.glob("benchmarks/bench_*.py")):
+        session.run("python", path, *session.posargs)
