@@ -9,7 +9,9 @@ default float32, so the examples run with 64-bit mode switched off even when
 
 import doctest
 import importlib
+import pathlib
 import pkgutil
+import re
 import types
 
 import jax
@@ -18,6 +20,9 @@ import pytest
 import krylovjax
 
 CORE_MODULES = ["krylovjax._krylov", "krylovjax._iterate"]
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+# Hand-written pages whose ```python blocks are doctest sessions.
+DOC_PAGES = ["quickstart.md"]
 OPTIONFLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
 
 
@@ -40,19 +45,27 @@ def _module_names() -> list[str]:
     return names
 
 
-def _public_objects(module: types.ModuleType) -> dict[str, object]:
-    """Public names (from the packages' `__all__`) whose home is `module`."""
+def _exported() -> dict[str, object]:
+    """Every public name of `krylovjax` and `krylovjax.nn` except subpackages."""
     packages = [krylovjax]
     nn = _nn_package()
     if nn is not None:
         packages.append(nn)
-    public = {}
-    for package in packages:
-        for name in package.__all__:
-            obj = getattr(package, name)
-            if getattr(obj, "__module__", None) == module.__name__:
-                public[f"{package.__name__}.{name}"] = obj
-    return public
+    return {
+        f"{package.__name__}.{name}": getattr(package, name)
+        for package in packages
+        for name in package.__all__
+        if not isinstance(getattr(package, name), types.ModuleType)
+    }
+
+
+def _public_objects(module: types.ModuleType) -> dict[str, object]:
+    """Public names whose home is `module`."""
+    return {
+        name: obj
+        for name, obj in _exported().items()
+        if getattr(obj, "__module__", None) == module.__name__
+    }
 
 
 def _run(tests: list[doctest.DocTest]) -> tuple[doctest.TestResults, str]:
@@ -64,17 +77,11 @@ def _run(tests: list[doctest.DocTest]) -> tuple[doctest.TestResults, str]:
     return runner.summarize(verbose=False), "".join(lines)
 
 
-def test_module_list_covers_core() -> None:
-    names = _module_names()
-    assert set(CORE_MODULES) <= set(names)
-    for package in ("krylovjax", "krylovjax.nn"):
-        if package == "krylovjax" or _nn_package() is not None:
-            exported = importlib.import_module(package).__all__
-            homes = {
-                getattr(importlib.import_module(package), n).__module__
-                for n in exported
-            }
-            assert homes <= set(names), homes - set(names)
+def test_every_public_name_lives_in_a_tested_module() -> None:
+    names = set(_module_names())
+    homes = {name: obj.__module__ for name, obj in _exported().items()}
+    untested = {name: home for name, home in homes.items() if home not in names}
+    assert not untested, untested
 
 
 @pytest.mark.parametrize("module_name", _module_names())
@@ -93,3 +100,18 @@ def test_docstring_examples(module_name: str) -> None:
     assert not without_example, (
         f"public names without a docstring example: {without_example}"
     )
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_doc_page_examples(page: str) -> None:
+    """The `>>>` sessions of a docs page run in order, sharing one namespace."""
+    text = (DOCS / page).read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", text, flags=re.DOTALL | re.MULTILINE)
+    sessions = [block for block in blocks if block.lstrip().startswith(">>>")]
+    assert sessions, f"no doctest sessions found in docs/{page}"
+    test = doctest.DocTestParser().get_doctest(
+        "\n".join(sessions), {}, f"docs/{page}", str(DOCS / page), 0
+    )
+    results, output = _run([test])
+    assert results.failed == 0, output
+    assert results.attempted == len(test.examples) > 0
