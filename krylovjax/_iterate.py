@@ -157,7 +157,9 @@ def _iterate_bwd(xs, g, perturbed, vjp_arg, d):
     step, _ = vjp_arg
     step_perturbed, _ = perturbed
     g = jtu.tree_map(
-        lambda x, gx: jnp.zeros_like(x) if gx is None else gx,
+        # The cotangent may arrive as a NumPy array (e.g. `vjp_fn(np.ones(...))`),
+        # which cannot be indexed by the traced step counter below.
+        lambda x, gx: jnp.zeros_like(x) if gx is None else jnp.asarray(gx),
         xs,
         g,
         is_leaf=lambda v: v is None,
