@@ -2,9 +2,10 @@
 
 import importlib.metadata
 
+from . import nn as nn
 from ._iterate import iterate as iterate
 from ._krylov import krylov as krylov
 
-__all__ = ["iterate", "krylov"]
+__all__ = ["iterate", "krylov", "nn"]
 
 __version__ = importlib.metadata.version("krylovjax")

@@ -1,0 +1,21 @@
+"""Equinox layers built on [`krylovjax.krylov`][].
+
+- [`krylovjax.nn.LinearDynamics`][]: a learnable linear recurrence, unrolled.
+- [`krylovjax.nn.StateSpaceConv`][]: a dense linear state-space sequence layer.
+- [`krylovjax.nn.KrylovGraphConv`][]: a polynomial graph filter, with
+  [`krylovjax.nn.normalise_adjacency`][].
+"""
+
+from ._graph_conv import (
+    KrylovGraphConv as KrylovGraphConv,
+    normalise_adjacency as normalise_adjacency,
+)
+from ._linear_dynamics import LinearDynamics as LinearDynamics
+from ._state_space import StateSpaceConv as StateSpaceConv
+
+__all__ = [
+    "KrylovGraphConv",
+    "LinearDynamics",
+    "StateSpaceConv",
+    "normalise_adjacency",
+]

@@ -1,0 +1,211 @@
+r"""`KrylovGraphConv`: a polynomial graph filter on block Krylov features.
+
+A TAGConv-style layer (Du et al., 2017): with a normalised adjacency operator
+$\hat A$ and node features $H \in \mathbb{R}^{N \times F_\text{in}}$, it mixes the
+block Krylov features $[H, \hat A H, \dots, \hat A^k H]$ -- the node features
+diffused over $0, 1, \dots, k$ hops -- with one learnable linear map. The features
+come from one [`krylovjax.krylov`][] call with the block start $H$, so the reverse
+pass is the single-buffer adjoint, and a sparse $\hat A$ (BCOO) gets its gradient
+as one sampled product.
+"""
+
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jax.experimental import sparse
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._krylov import krylov
+from ._checks import check_size
+
+
+def normalise_adjacency(adjacency: Any) -> Any:
+    r"""The symmetrically normalised adjacency with self-loops (Kipf and Welling).
+
+    $$\hat A = D^{-1/2} (A + I) D^{-1/2}, \qquad D = \operatorname{diag}((A + I)
+    \mathbf{1}).$$
+
+    Its eigenvalues lie in $(-1, 1]$ for a non-negative symmetric $A$, so powers of
+    $\hat A$ stay bounded, as [`krylovjax.nn.KrylovGraphConv`][] needs.
+
+    **Arguments:**
+
+    - `adjacency`: a square, non-negative (possibly weighted) adjacency matrix
+        `(N, N)`: a dense floating-point array or a two-dimensional
+        `jax.experimental.sparse.BCOO` matrix.
+
+    **Returns:**
+
+    $\hat A$ in the same format as `adjacency`. A BCOO result holds the original
+    entries plus $N$ diagonal entries (duplicates are summed when it is applied).
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp
+        >>> from jax.experimental import sparse
+        >>> from krylovjax.nn import normalise_adjacency
+        >>> A = jnp.array([[0.0, 1.0], [1.0, 0.0]])
+        >>> normalise_adjacency(A)
+        Array([[0.5, 0.5],
+               [0.5, 0.5]], dtype=float32)
+        >>> normalise_adjacency(sparse.BCOO.fromdense(A)).todense()
+        Array([[0.5, 0.5],
+               [0.5, 0.5]], dtype=float32)
+
+        ```
+    """
+    arg = "normalise_adjacency(adjacency=...)"
+    shape = tuple(adjacency.shape)
+    if len(shape) != 2 or shape[0] != shape[1]:
+        msg = f"`{arg}` must be a square matrix (N, N); got shape {shape}."
+        raise ValueError(msg)
+    n = shape[0]
+    if isinstance(adjacency, sparse.BCOO):
+        if adjacency.n_batch != 0 or adjacency.n_dense != 0:
+            msg = (
+                f"`{arg}` must be a BCOO matrix with n_batch=0 and n_dense=0; got "
+                f"n_batch={adjacency.n_batch} and n_dense={adjacency.n_dense}."
+            )
+            raise ValueError(msg)
+        diag = jnp.arange(n, dtype=adjacency.indices.dtype)
+        indices = jnp.concatenate([adjacency.indices, jnp.stack([diag, diag], axis=1)])
+        data = jnp.concatenate([adjacency.data, jnp.ones(n, adjacency.dtype)])
+        degree = jax.ops.segment_sum(data, indices[:, 0], num_segments=n)
+        data = data / jnp.sqrt(degree[indices[:, 0]] * degree[indices[:, 1]])
+        return sparse.BCOO((data, indices), shape=shape)
+    adjacency = jnp.asarray(adjacency)
+    with_loops = adjacency + jnp.eye(n, dtype=adjacency.dtype)
+    degree = with_loops.sum(axis=1)
+    return with_loops / jnp.sqrt(degree[:, None] * degree[None, :])
+
+
+class KrylovGraphConv(eqx.Module):
+    r"""A polynomial graph filter: a linear map of $[H, \hat A H, \dots, \hat A^k H]$.
+
+    For node features $H \in \mathbb{R}^{N \times F_\text{in}}$ and a graph operator
+    $\hat A \in \mathbb{R}^{N \times N}$ (typically from
+    [`krylovjax.nn.normalise_adjacency`][]),
+
+    $$Y = \sum_{j=0}^{k} \hat A^j H\, W_j^\top + \mathbf{1} b^\top
+      = [H \mid \hat A H \mid \dots \mid \hat A^k H]\, W^\top + \mathbf{1} b^\top,$$
+
+    with $W = [W_0 \mid \dots \mid W_k] \in
+    \mathbb{R}^{F_\text{out} \times (k+1) F_\text{in}}$. The block Krylov matrix is
+    one [`krylovjax.krylov`][] call (`x0 = H`, `d = k + 1`), so $\hat A$ may be
+    dense or a BCOO matrix, and its values get gradients too.
+
+    !!! Example
+
+        ```python
+        >>> import jax, jax.numpy as jnp
+        >>> from krylovjax.nn import KrylovGraphConv, normalise_adjacency
+        >>> ring = jnp.roll(jnp.eye(5), 1, axis=1)
+        >>> A_hat = normalise_adjacency(ring + ring.T)
+        >>> conv = KrylovGraphConv(3, 4, 2, key=jax.random.key(0))
+        >>> conv(A_hat, jnp.ones((5, 3))).shape
+        (5, 4)
+
+        ```
+    """
+
+    weight: Float[Array, "out hops_in"]
+    bias: Float[Array, " out"] | None
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    num_hops: int = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        num_hops: int,
+        *,
+        use_bias: bool = True,
+        key: PRNGKeyArray,
+    ):
+        r"""**Arguments:**
+
+        - `in_features`: $F_\text{in}$, the number of input features per node.
+        - `out_features`: $F_\text{out}$, the number of output features per node.
+        - `num_hops`: $k \ge 0$, the highest power of $\hat A$ (so $k + 1$ blocks;
+            `num_hops=0` is a plain per-node linear layer).
+        - `use_bias`: whether to add a learnable bias $b$ (default `True`).
+        - `key`: a `jax.random` key for the initialisation (keyword only).
+
+        $W$ and $b$ are initialised like `equinox.nn.Linear` with fan-in
+        $(k + 1) F_\text{in}$.
+        """
+        f_in = check_size(in_features, "KrylovGraphConv(in_features=...)")
+        f_out = check_size(out_features, "KrylovGraphConv(out_features=...)")
+        if isinstance(num_hops, bool) or not isinstance(num_hops, int):
+            msg = (
+                f"`KrylovGraphConv(num_hops=...)` must be a Python int >= 0; got "
+                f"{num_hops!r} of type {type(num_hops).__name__}."
+            )
+            raise TypeError(msg)
+        if num_hops < 0:
+            msg = (
+                f"`KrylovGraphConv(num_hops=...)` must be an int >= 0; got {num_hops}."
+            )
+            raise ValueError(msg)
+        fan_in = (num_hops + 1) * f_in
+        lim = 1 / math.sqrt(fan_in)
+        wkey, bkey = jr.split(key)
+        self.weight = jr.uniform(wkey, (f_out, fan_in), minval=-lim, maxval=lim)
+        self.bias = (
+            jr.uniform(bkey, (f_out,), minval=-lim, maxval=lim) if use_bias else None
+        )
+        self.in_features = f_in
+        self.out_features = f_out
+        self.num_hops = num_hops
+        self.use_bias = use_bias
+
+    def __call__(
+        self,
+        adjacency: Any,
+        H: Float[Array, "N in"],
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "N out"]:
+        r"""**Arguments:**
+
+        - `adjacency`: the graph operator $\hat A$, shape `(N, N)`: a dense array
+            or a two-dimensional `jax.experimental.sparse.BCOO` matrix, usually
+            normalised (see [`krylovjax.nn.normalise_adjacency`][]) so that its
+            powers stay bounded.
+        - `H`: the node features, shape `(N, in_features)`.
+        - `key`: ignored; accepted for compatibility with `equinox.nn`.
+
+        **Returns:**
+
+        The new node features, shape `(N, out_features)`.
+        """
+        del key
+        H = jnp.asarray(H)
+        if H.ndim != 2 or H.shape[1] != self.in_features:
+            msg = (
+                f"`KrylovGraphConv.__call__(H=...)` must have shape (N, "
+                f"{self.in_features}) (N nodes, in_features={self.in_features}); "
+                f"got shape {H.shape}."
+            )
+            raise ValueError(msg)
+        n = H.shape[0]
+        shape = tuple(adjacency.shape)
+        if shape != (n, n):
+            msg = (
+                f"`KrylovGraphConv.__call__(adjacency=...)` must have shape "
+                f"{(n, n)} to match `H` of shape {H.shape}; got shape {shape}."
+            )
+            raise ValueError(msg)
+        # (N, k + 1, F_in) -> (N, (k + 1) F_in): node n's row is [h_n, (A H)_n, ...].
+        features = krylov(adjacency, H, self.num_hops + 1, layout="columns")
+        out = features.reshape(n, -1) @ self.weight.T
+        if self.bias is not None:
+            out = out + self.bias
+        return out

@@ -1,0 +1,243 @@
+r"""`StateSpaceConv`: a dense linear state-space sequence layer with a Krylov kernel.
+
+A linear state-space model $x_{t+1} = \bar A x_t + \bar B u_t$, $y_t = C x_t + D u_t$
+(S4's setting, with a dense rather than structured state matrix) maps an input
+sequence to an output sequence by a causal convolution with the kernel
+$\bar K_l = C \bar A^l \bar B$. The kernel is the "Krylov function" of S4: it is
+$C$ times the block Krylov matrix $[\bar B, \bar A \bar B, \dots, \bar A^{L-1} \bar B]$,
+which [`krylovjax.krylov`][] builds with one scan and differentiates with its
+single-buffer reverse pass. The convolution itself is done by FFT.
+
+The state matrix is the bilinear (Tustin) discretisation of a dissipative
+continuous-time matrix, which keeps $\lVert \bar A \rVert_2 < 1$ for every value of
+the parameters, so long kernels never overflow and the kernel is differentiable
+everywhere (see [`krylovjax.nn.StateSpaceConv`][]).
+"""
+
+import math
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._krylov import krylov
+from ._checks import check_size
+
+
+class StateSpaceConv(eqx.Module):
+    r"""A dense linear state-space layer applied as a causal convolution.
+
+    **Parameterisation.** With learnable $W, V \in \mathbb{R}^{n \times n}$ and
+    step size $\Delta = e^{\delta} > 0$, the continuous-time state matrix is
+
+    $$A_c = (W - W^\top) - (V V^\top + \epsilon I),$$
+
+    a skew-symmetric part (oscillation) minus a positive-definite part (damping,
+    at least $\epsilon$ = `min_damping`). Its bilinear discretisation is
+
+    $$\bar A = \left(I - \tfrac{\Delta}{2} A_c\right)^{-1}
+      \left(I + \tfrac{\Delta}{2} A_c\right), \qquad
+      \bar B = \left(I - \tfrac{\Delta}{2} A_c\right)^{-1} \Delta B.$$
+
+    For $y = \bar A x$ and $u = (I - \tfrac{\Delta}{2} A_c)^{-1} x$ one has
+    $\lVert y \rVert^2 - \lVert x \rVert^2 = 2 \Delta\, u^\top A_c u
+    \le -2 \Delta \epsilon \lVert u \rVert^2 < 0$, so $\lVert \bar A \rVert_2 < 1$:
+    $\bar A^l$ decays for every parameter value, with no norm or eigenvalue to
+    differentiate. Small damping and step size give memory over many steps.
+
+    **Output.** For an input $u \in \mathbb{R}^{L \times c_\text{in}}$,
+
+    $$y_t = \sum_{l=0}^{t} \bar K_l\, u_{t-l} + D u_t, \qquad
+      \bar K_l = C \bar A^l \bar B \in \mathbb{R}^{c_\text{out} \times c_\text{in}},$$
+
+    where $[\bar K_0, \dots, \bar K_{L-1}] = C\,[\bar B, \bar A \bar B, \dots,
+    \bar A^{L-1} \bar B]$ comes from one [`krylovjax.krylov`][] call, and the sum is
+    computed by FFT with zero padding to $2L$ (no wrap-around).
+
+    !!! Example
+
+        ```python
+        >>> import jax, jax.numpy as jnp
+        >>> from krylovjax.nn import StateSpaceConv
+        >>> layer = StateSpaceConv(8, 2, 3, 100, key=jax.random.key(0))
+        >>> u = jnp.ones((100, 2))
+        >>> layer(u).shape
+        (100, 3)
+        >>> layer.kernel().shape
+        (100, 3, 2)
+        >>> jax.vmap(layer)(jnp.ones((4, 50, 2))).shape  # a batch of shorter inputs
+        (4, 50, 3)
+
+        ```
+    """
+
+    skew: Float[Array, "n n"]
+    damping: Float[Array, "n n"]
+    log_step: Float[Array, ""]
+    B: Float[Array, "n in"]
+    C: Float[Array, "out n"]
+    D: Float[Array, "out in"]
+    state_size: int = eqx.field(static=True)
+    in_channels: int = eqx.field(static=True)
+    out_channels: int = eqx.field(static=True)
+    length: int = eqx.field(static=True)
+    min_damping: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        state_size: int,
+        in_channels: int,
+        out_channels: int,
+        length: int,
+        *,
+        dt_min: float = 1e-3,
+        dt_max: float = 1e-1,
+        min_damping: float = 1e-3,
+        key: PRNGKeyArray,
+    ):
+        r"""**Arguments:**
+
+        - `state_size`: the state dimension $n$, an `int >= 1`.
+        - `in_channels`: the number of input channels $c_\text{in}$.
+        - `out_channels`: the number of output channels $c_\text{out}$.
+        - `length`: the kernel length $L$, the longest input sequence accepted.
+        - `dt_min`, `dt_max`: the initial step size $\Delta$ is drawn log-uniformly
+            from `[dt_min, dt_max]` (S4's convention); `0 < dt_min <= dt_max`.
+        - `min_damping`: $\epsilon > 0$, the least damping rate of $A_c$, which
+            keeps $\lVert \bar A \rVert_2 < 1$ strictly.
+        - `key`: a `jax.random` key for the initialisation (keyword only).
+
+        $W$ is drawn from $\mathcal{N}(0, 1/n)$, $V$ from $\mathcal{N}(0, 10^{-2}/n)$
+        (light damping, long memory), and $B$, $C$, $D$ like `equinox.nn.Linear`:
+        uniform in $\pm 1/\sqrt{\text{fan-in}}$.
+        """
+        n = check_size(state_size, "StateSpaceConv(state_size=...)")
+        c_in = check_size(in_channels, "StateSpaceConv(in_channels=...)")
+        c_out = check_size(out_channels, "StateSpaceConv(out_channels=...)")
+        length = check_size(length, "StateSpaceConv(length=...)", what="kernel length")
+        if not (0 < dt_min <= dt_max):
+            msg = (
+                "`StateSpaceConv(dt_min=..., dt_max=...)` must satisfy "
+                f"0 < dt_min <= dt_max; got dt_min={dt_min!r}, dt_max={dt_max!r}."
+            )
+            raise ValueError(msg)
+        if not min_damping > 0:
+            msg = f"`StateSpaceConv(min_damping=...)` must be > 0; got {min_damping!r}."
+            raise ValueError(msg)
+        wkey, vkey, dkey, bkey, ckey, skey = jr.split(key, 6)
+        self.skew = jr.normal(wkey, (n, n)) / math.sqrt(n)
+        self.damping = 0.1 * jr.normal(vkey, (n, n)) / math.sqrt(n)
+        self.log_step = jr.uniform(
+            dkey, (), minval=math.log(dt_min), maxval=math.log(dt_max)
+        )
+        lim_in, lim_n = 1 / math.sqrt(c_in), 1 / math.sqrt(n)
+        self.B = jr.uniform(bkey, (n, c_in), minval=-lim_in, maxval=lim_in)
+        self.C = jr.uniform(ckey, (c_out, n), minval=-lim_n, maxval=lim_n)
+        self.D = jr.uniform(skey, (c_out, c_in), minval=-lim_in, maxval=lim_in)
+        self.state_size = n
+        self.in_channels = c_in
+        self.out_channels = c_out
+        self.length = length
+        self.min_damping = float(min_damping)
+
+    def discretise(self) -> tuple[Float[Array, "n n"], Float[Array, "n in"]]:
+        r"""The discrete-time pair $(\bar A, \bar B)$ (see the class docstring).
+
+        **Returns:**
+
+        `(A_bar, B_bar)` of shapes `(state_size, state_size)` and
+        `(state_size, in_channels)`; $\lVert \bar A \rVert_2 < 1$.
+
+        !!! Example
+
+            ```python
+            >>> import jax, jax.numpy as jnp
+            >>> from krylovjax.nn import StateSpaceConv
+            >>> layer = StateSpaceConv(4, 1, 1, 10, key=jax.random.key(0))
+            >>> A_bar, B_bar = layer.discretise()
+            >>> bool(jnp.linalg.norm(A_bar, 2) < 1)
+            True
+
+            ```
+        """
+        n = self.state_size
+        eye = jnp.eye(n, dtype=self.skew.dtype)
+        a_c = (
+            self.skew
+            - self.skew.T
+            - self.damping @ self.damping.T
+            - self.min_damping * eye
+        )
+        step = jnp.exp(self.log_step)
+        left = eye - 0.5 * step * a_c
+        rhs = jnp.concatenate([eye + 0.5 * step * a_c, step * self.B], axis=1)
+        solved = jnp.linalg.solve(left, rhs)
+        return solved[:, :n], solved[:, n:]
+
+    def kernel(self, length: int | None = None) -> Float[Array, "L out in"]:
+        r"""The convolution kernel $[\bar K_0, \dots, \bar K_{L-1}]$, $\bar K_l = C
+        \bar A^l \bar B$.
+
+        **Arguments:**
+
+        - `length`: the number of kernel entries, a static `int`; defaults to the
+            layer's `length`.
+
+        **Returns:**
+
+        An array of shape `(length, out_channels, in_channels)`.
+
+        !!! Example
+
+            ```python
+            >>> import jax
+            >>> from krylovjax.nn import StateSpaceConv
+            >>> layer = StateSpaceConv(4, 2, 3, 10, key=jax.random.key(0))
+            >>> layer.kernel(6).shape
+            (6, 3, 2)
+
+            ```
+        """
+        if length is None:
+            length = self.length
+        length = check_size(length, "StateSpaceConv.kernel(length=...)")
+        A_bar, B_bar = self.discretise()
+        # Block Krylov matrix, one (n, in) block per row: (L, n, in).
+        blocks = krylov(A_bar, B_bar, length, layout="rows")
+        return jnp.einsum("on,lni->loi", self.C, blocks)
+
+    def __call__(
+        self, x: Float[Array, "L in"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "L out"]:
+        r"""**Arguments:**
+
+        - `x`: one input sequence of shape `(L, in_channels)`, time first, with
+            `L <= length`. An input shorter than the layer's `length` uses the first
+            `L` kernel entries (the output is the same as for the input padded with
+            zeros at the end, truncated). Batch with `jax.vmap`.
+        - `key`: ignored; accepted for compatibility with `equinox.nn`.
+
+        **Returns:**
+
+        The output sequence, shape `(L, out_channels)`; $y_t$ depends on
+        $u_0, \dots, u_t$ only (causal).
+        """
+        del key
+        x = jnp.asarray(x)
+        bad_length = x.ndim == 2 and not 1 <= x.shape[0] <= self.length
+        if x.ndim != 2 or x.shape[1] != self.in_channels or bad_length:
+            msg = (
+                f"`StateSpaceConv.__call__(x=...)` must have shape (L, "
+                f"{self.in_channels}) with 1 <= L <= length={self.length}, i.e. "
+                f"(L, in_channels) for one sequence (use `jax.vmap` for a batch); "
+                f"got shape {x.shape}."
+            )
+            raise ValueError(msg)
+        n_time = x.shape[0]
+        kernel = self.kernel(n_time)
+        n_fft = 2 * n_time
+        kernel_f = jnp.fft.rfft(kernel, n=n_fft, axis=0)
+        x_f = jnp.fft.rfft(x, n=n_fft, axis=0)
+        y = jnp.fft.irfft(jnp.einsum("foi,fi->fo", kernel_f, x_f), n=n_fft, axis=0)
+        return y[:n_time].astype(x.dtype) + x @ self.D.T
