@@ -26,7 +26,7 @@ from jax import lax
 
 from ._checks import as_array, check_choice, check_depth
 
-ADJOINTS = ("custom_vjp", "autodiff")
+ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
 _State = TypeVar("_State")
 
 
@@ -35,7 +35,7 @@ def iterate(
     x0: _State,
     d: int,
     *,
-    adjoint: Literal["custom_vjp", "autodiff"] = "custom_vjp",
+    adjoint: Literal["custom_vjp", "custom_jvp", "autodiff"] = "custom_vjp",
 ) -> _State:
     r"""Stack the trajectory $x_0, f(x_0), f(f(x_0)), \dots$ of $d$ states.
 
@@ -54,9 +54,12 @@ def iterate(
     - `adjoint`: `"custom_vjp"` (default) uses the hand-written reverse pass, which
         saves only the returned trajectory and recomputes each step's VJP from it;
         forward mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) then raises a
-        `TypeError`. `"autodiff"` differentiates the same `lax.scan` with JAX's own
-        rules, so forward mode works, at the cost of saving every step's internals
-        in reverse mode.
+        `TypeError`. `"custom_jvp"` gives the recurrence a hand-written JVP rule
+        whose tangent step is checkpointed: forward mode works, and reverse mode
+        (JAX's transposition of that rule) again saves only the trajectory and
+        recomputes each step. `"autodiff"` differentiates the same `lax.scan` with
+        JAX's own rules, so forward mode works, at the cost of saving every step's
+        internals in reverse mode.
 
     **Returns:**
 
@@ -93,6 +96,10 @@ def iterate(
         return jtu.tree_map(lambda x: x[None], x0)
     if adjoint == "custom_vjp":
         return _iterate_custom_vjp((step, x0), d)
+    if adjoint == "custom_jvp":
+        from ._forward_mode import iterate_custom_jvp
+
+        return iterate_custom_jvp(step, x0, d=d)
     return iterate_scan(step, x0, d)
 
 
