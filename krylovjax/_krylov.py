@@ -13,11 +13,13 @@ and then
   = [\lambda_1, \dots, \lambda_{d-1}] \, [x_0, \dots, x_{d-2}]^\top$.
 
 One reverse `lax.scan` writes $\lambda_1, \dots, \lambda_{d-1}$ into a single
-preallocated buffer (the scan's stacked output) and returns $\lambda_0$ as its final
-carry. The gradient of the operator is then one batched operation on that buffer and
-the stored forward output: a single GEMM for a dense matrix, one sampled product for a
-BCOO matrix, one batched VJP for a callable (see `_operator.py`). The forward pass
-saves nothing but its own output; the operator and $x_0$ are the primal inputs.
+buffer, the output cotangent itself updated in place (row $i$ holds $\lambda_{i+1}$
+once $g_i$ has been read, the last row is zeroed), and returns $\lambda_0$ as its
+final carry. The gradient of the operator is then one batched operation on that
+buffer and the stored forward output: a single GEMM for a dense matrix, one sampled
+product for a BCOO matrix, one batched VJP for a callable (see `_operator.py`). The
+forward pass saves nothing but its own output; the operator and $x_0$ are the primal
+inputs.
 
 The transpose is JAX's convention for complex numbers too: the rule computes the
 vector-Jacobian product (plain transpose, no conjugation), exactly what autodiff
@@ -126,14 +128,23 @@ def krylov(
 
 
 def krylov_scan(operator: AbstractOperator, x0: Array, d: int) -> Array:
-    """The forward pass: one `lax.scan`, vectors stacked on a new leading axis."""
+    """The forward pass: one `lax.scan`, vectors stacked on a new leading axis.
 
-    def step(x, _):
+    The scan writes every vector straight into one `(d, ...)` buffer that it
+    carries (updated in place), so no concatenation copies the result afterwards.
+    """
+    xs = jnp.zeros((d, *x0.shape), x0.dtype)
+    xs = lax.dynamic_update_index_in_dim(xs, x0, 0, 0)
+
+    def step(carry, _):
+        # The slot index is carried rather than scanned over, so that no index
+        # array of length d is allocated.
+        k, x, xs = carry
         y = operator.mv(x)
-        return y, y
+        return (k + 1, y, lax.dynamic_update_index_in_dim(xs, y, k, 0)), None
 
-    _, rest = lax.scan(step, x0, length=d - 1)
-    return jnp.concatenate([x0[None], rest])
+    (_, _, xs), _ = lax.scan(step, (1, x0, xs), length=d - 1)
+    return xs
 
 
 @eqx.filter_custom_vjp
@@ -155,9 +166,11 @@ def _krylov_bwd(xs, g, perturbed, vjp_arg, d):
     operator_perturbed, _ = perturbed
     if g is None:
         g = jnp.zeros_like(xs)
-    lam_tail, lam0 = adjoint_scan(operator, g)
+    lam_shifted, lam0 = adjoint_scan(operator, g)
     if any(jtu.tree_leaves(operator_perturbed)):
-        grad_operator = operator.param_vjp(xs[:-1], lam_tail)
+        # sum_{i<d-1} lam_{i+1} x_i^T; the last row of `lam_shifted` is zero, so the
+        # whole of `xs` is used and neither buffer is sliced (a slice is a copy).
+        grad_operator = operator.param_vjp(xs, lam_shifted)
     else:
         grad_operator = jtu.tree_map(
             lambda _: None, eqx.filter(operator, eqx.is_inexact_array)
@@ -168,14 +181,27 @@ def _krylov_bwd(xs, g, perturbed, vjp_arg, d):
 def adjoint_scan(operator: AbstractOperator, g: Array) -> tuple[Array, Array]:
     r"""Solve the adjoint recurrence $\lambda_i = g_i + A^\top \lambda_{i+1}$ backwards.
 
-    Returns the buffer $[\lambda_1, \dots, \lambda_{d-1}]$ (stacked on the leading
-    axis, written by one reverse scan) and $\lambda_0$ (its final carry).
+    Returns the buffer $[\lambda_1, \dots, \lambda_{d-1}, 0]$ (stacked on the
+    leading axis) and $\lambda_0$. The buffer is `g` itself, overwritten in place by
+    one reverse scan: step $k$ reads $g_k$ from slot $k$ and then stores
+    $\lambda_{k+1}$ there, so no second buffer of the cotangent's size exists, and
+    the shifted order lines the buffer up with the forward vectors for one GEMM.
     """
     d = g.shape[0]
     transpose_mv = operator.transpose(g[0])
+    lam_last = g[d - 1]
+    lam = lax.dynamic_update_index_in_dim(g, 0 * lam_last, d - 1, 0)
 
-    def step(lam_next, k):
-        return g[k] + transpose_mv(lam_next), lam_next
+    def step(carry, _):
+        k, lam_next, lam = carry
+        lam_k = lax.dynamic_index_in_dim(lam, k, 0, keepdims=False)
+        lam_k = lam_k + transpose_mv(lam_next)
+        # `0 * lam_k` makes the write below depend on the read above, so XLA orders
+        # them and updates the buffer in place instead of copying it every step.
+        # (It changes a row only when lam_k is already inf or nan.)
+        lam_next = lam_next + 0 * lam_k
+        lam = lax.dynamic_update_index_in_dim(lam, lam_next, k, 0)
+        return (k - 1, lam_k, lam), None
 
-    lam0, lam_tail = lax.scan(step, g[d - 1], jnp.arange(d - 1), reverse=True)
-    return lam_tail, lam0
+    (_, lam0, lam), _ = lax.scan(step, (d - 2, lam_last, lam), length=d - 1)
+    return lam, lam0

@@ -68,7 +68,9 @@ class DenseOperator(AbstractOperator):
 
     def transpose(self, like: Array) -> Callable[[Array], Array]:
         del like
-        return lambda y: self.matrix.T @ y
+        # Contract the matrix's first axis directly: `matrix.T @ y` would make XLA
+        # materialise the transposed matrix inside every step of the reverse scan.
+        return lambda y: lax.dot_general(self.matrix, y, (((0,), (0,)), ((), ())))
 
     def mm(self, xs: Shaped[Array, "k n *b"]) -> Shaped[Array, "k n *b"]:
         return jnp.einsum("nm,km...->kn...", self.matrix, xs)
