@@ -1,0 +1,201 @@
+"""Reference implementations and problem factories shared by the tests.
+
+The references are written independently of the library: a plain Python loop and a
+plain `lax.scan`, both differentiated by JAX's own rules.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+from jax import lax
+from jax.experimental import sparse
+
+METHODS = ("scan",)
+LAYOUTS = ("columns", "rows")
+DTYPES = (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128)
+KINDS = ("dense", "bcoo", "closure", "module", "method")
+
+
+def tol(dtype):
+    """(rtol, atol) for comparing two computations in `dtype`."""
+    if jnp.finfo(dtype).bits <= 32:
+        return {"rtol": 1e-4, "atol": 1e-5}
+    return {"rtol": 1e-10, "atol": 1e-12}
+
+
+def random_array(key, shape, dtype):
+    """Standard normal entries in `dtype` (real and imaginary parts for complex)."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        real = jnp.finfo(dtype).dtype
+        kr, ki = jr.split(key)
+        re = jr.normal(kr, shape, real)
+        im = jr.normal(ki, shape, real)
+        return ((re + 1j * im) / np.sqrt(2)).astype(dtype)
+    return jr.normal(key, shape, dtype)
+
+
+def _scaled(x, scale):
+    # A NumPy float64 scalar is not weakly typed and would promote float32 to
+    # float64; multiply by a Python float and keep the dtype explicit.
+    return (float(scale) * x).astype(x.dtype)
+
+
+def random_matrix(key, n, dtype, scale=0.9):
+    """A random (n, n) matrix of spectral radius around `scale`."""
+    return _scaled(random_array(key, (n, n), dtype), scale / np.sqrt(n))
+
+
+def x0_shape(n, block):
+    return (n,) if block is None else (n, block)
+
+
+# ----------------------------------------------------------------- references
+
+
+def krylov_loop(mv, x0, d, layout="columns"):
+    """The Krylov vectors x0, A x0, ... built by a plain Python loop."""
+    xs = [x0]
+    for _ in range(d - 1):
+        xs.append(mv(xs[-1]))
+    return to_layout(jnp.stack(xs), layout)
+
+
+def krylov_scan_reference(mv, x0, d, layout="columns"):
+    """The Krylov vectors from a plain `lax.scan` that carries the last vector."""
+
+    def body(x, _):
+        return mv(x), x
+
+    _, xs = lax.scan(body, x0, None, length=d)
+    return to_layout(xs, layout)
+
+
+def iterate_scan_reference(step, x0, d):
+    """Trajectory of a pytree state under `step`, stacked on a new leading axis."""
+
+    def body(x, _):
+        return step(x), x
+
+    _, xs = lax.scan(body, x0, None, length=d)
+    return xs
+
+
+def to_layout(rows, layout):
+    """(d, n, ...) -> the library's layout."""
+    return rows if layout == "rows" else jnp.moveaxis(rows, 0, 1)
+
+
+def as_mv(A):
+    """A plain matvec for any accepted operator, without the library."""
+    if isinstance(A, jax.Array | sparse.BCOO | np.ndarray):
+        return lambda x: A @ x
+    return A
+
+
+# ------------------------------------------------------------- operator kinds
+
+
+class Linear(eqx.Module):
+    """x -> W x as an Equinox module."""
+
+    weight: jax.Array
+
+    def __call__(self, x):
+        return self.weight @ x
+
+
+class MatVec(eqx.Module):
+    """A module whose `.mv` bound method is the operator."""
+
+    weight: jax.Array
+    shift: jax.Array
+
+    def mv(self, x):
+        return self.weight @ x + self.shift * x
+
+
+def sparse_mask(n):
+    """A fixed sparsity pattern: the diagonal and two off-diagonals."""
+    i = np.arange(n)
+    mask = np.zeros((n, n), bool)
+    mask[i, i] = True
+    mask[i, (i + 1) % n] = True
+    mask[i, (i + 3) % n] = True
+    return mask
+
+
+def make_operator(kind, A):
+    """Return `(params, build)` so that `build(params)` is an operator of `kind`.
+
+    Gradients with respect to `params` are the gradients that must reach every array
+    the operator holds. `build(params)` equals the dense matrix `A` (masked for BCOO;
+    plus a shift for the bound method).
+    """
+    n = A.shape[0]
+    if kind == "dense":
+        return A, lambda p: p
+    if kind == "bcoo":
+        B = sparse.BCOO.fromdense(jnp.where(sparse_mask(n), A, 0))
+        indices, shape = B.indices, B.shape
+        return B.data, lambda data: sparse.BCOO((data, indices), shape=shape)
+    if kind == "closure":
+        return A, lambda p: lambda x: p @ x
+    if kind == "module":
+        return Linear(A), lambda m: m
+    if kind == "method":
+        shift = jnp.asarray(0.25, A.dtype)
+        return MatVec(A, shift), lambda m: m.mv
+    raise ValueError(kind)
+
+
+def dense_of(kind, params):
+    """The dense matrix that `make_operator(kind, ...)`'s operator represents."""
+    if kind in ("dense", "closure"):
+        return params
+    if kind == "module":
+        return params.weight
+    if kind == "method":
+        return params.weight + params.shift * jnp.eye(params.weight.shape[0])
+    raise ValueError(kind)
+
+
+# ------------------------------------------------------------- iterate steps
+
+
+class MLP(eqx.Module):
+    """x -> tanh(W2 tanh(W1 x + b1) + b2): a nonlinear step with weight leaves."""
+
+    w1: jax.Array
+    b1: jax.Array
+    w2: jax.Array
+    b2: jax.Array
+
+    def __init__(self, key, state, width, dtype=jnp.float64):
+        k1, k2, k3, k4 = jr.split(key, 4)
+        self.w1 = _scaled(jr.normal(k1, (width, state), dtype), 1 / np.sqrt(state))
+        self.b1 = _scaled(jr.normal(k2, (width,), dtype), 0.1)
+        self.w2 = _scaled(jr.normal(k3, (state, width), dtype), 1 / np.sqrt(width))
+        self.b2 = _scaled(jr.normal(k4, (state,), dtype), 0.1)
+
+    def __call__(self, x):
+        return jnp.tanh(self.w2 @ jnp.tanh(self.w1 @ x + self.b1) + self.b2)
+
+
+def random_like(key, tree):
+    """A random pytree with the structure, shapes and dtypes of `tree`."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    keys = jr.split(key, len(leaves))
+    new = [random_array(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def assert_trees_close(a, b, **kwargs):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, (ta, tb)
+    for x, y in zip(la, lb, strict=True):
+        assert x.shape == y.shape, (x.shape, y.shape)
+        assert x.dtype == y.dtype, (x.dtype, y.dtype)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kwargs)
