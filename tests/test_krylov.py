@@ -1,0 +1,311 @@
+"""Values and reverse-mode gradients of `krylovjax.krylov`."""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import (
+    DTYPES,
+    KINDS,
+    LAYOUTS,
+    METHODS,
+    as_mv,
+    assert_trees_close,
+    krylov_loop,
+    krylov_scan_reference,
+    make_operator,
+    random_array,
+    random_matrix,
+    tol,
+    x0_shape,
+)
+from jax.experimental import sparse
+from jax.test_util import check_grads
+
+import krylovjax
+from krylovjax._operator import as_operator
+
+N, D = 5, 4
+
+
+def _problem(dtype, block=None, n=N, seed=0):
+    ka, kx = jr.split(jr.key(seed))
+    return random_matrix(ka, n, dtype), random_array(kx, x0_shape(n, block), dtype)
+
+
+# ---------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_values_dense(method, dtype, layout):
+    # Blocks are covered with values in test_vjp_layouts_and_blocks_*.
+    A, x0 = _problem(dtype)
+    X = jax.jit(
+        krylovjax.krylov, static_argnums=2, static_argnames=("layout", "method")
+    )(A, x0, D, layout=layout, method=method)
+    expected = krylov_loop(lambda x: A @ x, x0, D, layout)
+    shape = (N, D) if layout == "columns" else (D, N)
+    assert X.shape == shape + x0.shape[1:]
+    assert X.dtype == dtype
+    assert_trees_close(X, expected, **tol(dtype))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_values_operator_kinds_block(method, kind):
+    # Single vectors are covered with values in test_vjp_operator_kinds_*.
+    A, x0 = _problem(jnp.float64, block=2)
+    params, build = make_operator(kind, A)
+
+    @jax.jit
+    def both(params, x0):
+        X = krylovjax.krylov(build(params), x0, D, method=method)
+        return X, krylov_loop(as_mv(build(params)), x0, D)
+
+    X, expected = both(params, x0)
+    assert X.shape == (N, D, 2)
+    assert_trees_close(X, expected, **tol(jnp.float64))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_values_column_block_is_block_krylov_matrix(method):
+    A, x0 = _problem(jnp.float64, block=2)
+    X = krylovjax.krylov(A, x0, D, method=method)
+    flat = X.reshape(N, D * 2)
+    expected = np.concatenate(
+        [np.linalg.matrix_power(np.asarray(A), k) @ np.asarray(x0) for k in range(D)],
+        axis=1,
+    )
+    np.testing.assert_allclose(flat, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("block", [None, 2])
+def test_depth_one_returns_x0_with_new_axis(method, layout, block):
+    A, x0 = _problem(jnp.float32, block)
+    X = krylovjax.krylov(A, x0, 1, layout=layout, method=method)
+    axis = 1 if layout == "columns" else 0
+    np.testing.assert_array_equal(X, jnp.expand_dims(x0, axis))
+    assert X.dtype == jnp.float32
+    grad = jax.grad(lambda x: krylovjax.krylov(A, x, 1, method=method).sum())(x0)
+    np.testing.assert_array_equal(grad, jnp.ones_like(x0))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_auto_method_matches(method):
+    A, x0 = _problem(jnp.float64)
+    assert_trees_close(
+        krylovjax.krylov(A, x0, D, method="auto"),
+        krylovjax.krylov(A, x0, D, method=method),
+        **tol(jnp.float64),
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_numpy_matrix_and_dtype_promotion(method):
+    A, x0 = _problem(jnp.float64)
+    X = krylovjax.krylov(np.asarray(A), x0, D, method=method)
+    assert_trees_close(X, krylov_loop(lambda x: A @ x, x0, D), **tol(jnp.float64))
+    # A complex matrix with a real start vector gives a complex Krylov matrix.
+    Ac = A.astype(jnp.complex128) * (1 + 0.5j)
+    Xc = krylovjax.krylov(Ac, x0, D, method=method)
+    assert Xc.dtype == jnp.complex128
+    expected = krylov_loop(lambda x: Ac @ x, x0.astype(jnp.complex128), D)
+    assert_trees_close(Xc, expected, **tol(jnp.float64))
+
+
+def test_sparse_operator_mm_block():
+    # `mm` applies A to a stack of (block) inputs in one call; it must agree with
+    # the dense operator whatever the block width.
+    A, _ = _problem(jnp.float64)
+    B = sparse.BCOO.fromdense(A)
+
+    @jax.jit
+    def both(A, B, xs):
+        sparse_op, _ = as_operator(B, xs[0], "krylov")
+        dense_op, _ = as_operator(A, xs[0], "krylov")
+        return sparse_op.mm(xs), dense_op.mm(xs)
+
+    xs = random_array(jr.key(3), (4, N, 3), jnp.float64)
+    expected = np.einsum("ij,kjb->kib", np.asarray(A), np.asarray(xs))
+    for out in both(A, B, xs):
+        np.testing.assert_allclose(out, expected, rtol=1e-12)
+
+
+# ------------------------------------------------------------------- gradients
+
+
+def _krylov_fn(build, method, adjoint="custom_vjp", layout="columns", d=D):
+    def f(params, x0):
+        return krylovjax.krylov(
+            build(params), x0, d, layout=layout, adjoint=adjoint, method=method
+        )
+
+    return f
+
+
+def _reference_fn(build, layout="columns", d=D):
+    def f(params, x0):
+        return krylov_scan_reference(as_mv(build(params)), x0, d, layout)
+
+    return f
+
+
+def _vjps(fs, params, x0, key):
+    """Outputs and VJPs of each of `fs` with one random cotangent, in one program."""
+    out = jax.eval_shape(fs[0], params, x0)
+    ct = random_array(key, out.shape, out.dtype)
+
+    @jax.jit
+    def run(params, x0, ct):
+        results = []
+        for f in fs:
+            out, vjp = jax.vjp(f, params, x0)
+            results.append((out, vjp(ct)))
+        return results
+
+    return run(params, x0, ct)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex128])
+def test_vjp_operator_kinds_against_scan_autodiff(method, kind, dtype):
+    A, x0 = _problem(dtype)
+    params, build = make_operator(kind, A)
+    fs = [
+        _krylov_fn(build, method),
+        _reference_fn(build),
+        _krylov_fn(build, method, "autodiff"),
+    ]
+    (out, grads), (out_ref, grads_ref), (_, grads_autodiff) = _vjps(
+        fs, params, x0, jr.key(7)
+    )
+    assert_trees_close(out, out_ref, **tol(dtype))
+    assert_trees_close(grads, grads_ref, **tol(dtype))
+    assert_trees_close(grads, grads_autodiff, **tol(dtype))
+    # Every array the operator holds receives a nonzero gradient.
+    for leaf in jax.tree_util.tree_leaves(grads[0]):
+        assert np.all(np.isfinite(leaf)) and np.any(leaf != 0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("block", [3])
+def test_vjp_layouts_and_blocks_against_scan_autodiff(method, dtype, layout, block):
+    A, x0 = _problem(dtype, block)
+    build = lambda p: p  # noqa: E731
+    fs = [_krylov_fn(build, method, layout=layout), _reference_fn(build, layout)]
+    (out, grads), (out_ref, grads_ref) = _vjps(fs, A, x0, jr.key(11))
+    assert_trees_close(out, out_ref, **tol(dtype))
+    assert_trees_close(grads, grads_ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vjp_accepts_numpy_cotangent(method, layout):
+    # With layout="rows" the cotangent reaches the reverse pass unconverted, so a
+    # NumPy cotangent must not be indexed by a traced step counter.
+    A, x0 = _problem(jnp.float64)
+    f = _krylov_fn(lambda p: p, method, layout=layout)
+    out, vjp = jax.vjp(f, A, x0)
+    ct = np.asarray(random_array(jr.key(4), out.shape, out.dtype))
+    _, expected = jax.vjp(_reference_fn(lambda p: p, layout), A, x0)
+    assert_trees_close(vjp(ct), expected(jnp.asarray(ct)), **tol(jnp.float64))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", ["dense", "closure", "module"])
+def test_grad_of_one_argument(method, kind):
+    # Differentiating only x0 (operator not perturbed) or only the operator.
+    A, x0 = _problem(jnp.float64)
+    params, build = make_operator(kind, A)
+    ct = random_array(jr.key(5), (N, D), jnp.float64)
+
+    def loss(f):
+        return lambda p, x: jnp.sum(ct * f(p, x))
+
+    f, ref = _krylov_fn(build, method), _reference_fn(build)
+    for argnums in (0, 1):
+        assert_trees_close(
+            jax.jit(jax.grad(loss(f), argnums))(params, x0),
+            jax.jit(jax.grad(loss(ref), argnums))(params, x0),
+            **tol(jnp.float64),
+        )
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", ["dense", "bcoo", "method"])
+def test_grads_finite_differences(method, kind):
+    # "closure" and "module" reach the same code path as "method" (a callable).
+    A, x0 = _problem(jnp.float64, n=4)
+    params, build = make_operator(kind, A)
+    f = jax.jit(_krylov_fn(build, method, d=3))
+    check_grads(f, (params, x0), order=2, modes=["rev"])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_grads_finite_differences_complex_block(method):
+    A, x0 = _problem(jnp.complex128, block=2, n=3)
+    f = jax.jit(_krylov_fn(lambda p: p, method, layout="columns", d=3))
+    check_grads(f, (A, x0), order=2, modes=["rev"])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sum_loss_closed_form(method):
+    # The motivating case: n = 3, d = 10, loss = sum of the Krylov matrix.
+    n, d = 3, 10
+    A, x0 = _problem(jnp.float64, n=n, seed=1)
+    loss = lambda A, x0: krylovjax.krylov(A, x0, d, method=method).sum()  # noqa: E731
+    grad_A, grad_x0 = jax.grad(loss, argnums=(0, 1))(A, x0)
+
+    An, xn = np.asarray(A, np.float64), np.asarray(x0, np.float64)
+    xs = [np.linalg.matrix_power(An, k) @ xn for k in range(d)]
+    # lam_i = sum_{k=0}^{d-1-i} (A^T)^k 1, the adjoint of the sum loss.
+    lam = [
+        sum(np.linalg.matrix_power(An.T, k) @ np.ones(n) for k in range(d - i))
+        for i in range(d)
+    ]
+    expected_x0 = lam[0]
+    expected_A = sum(np.outer(lam[i], xs[i - 1]) for i in range(1, d))
+
+    np.testing.assert_allclose(grad_x0, expected_x0, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(grad_A, expected_A, rtol=1e-12, atol=1e-12)
+    # A dropped x0 gradient (zeros) or only the direct term (ones) must not pass.
+    assert not np.allclose(grad_x0, np.ones(n))
+    assert not np.allclose(grad_x0, np.zeros(n))
+
+
+# ------------------------------------------------- the custom rule really runs
+
+
+def test_custom_rule_runs_numerically():
+    # float32, moderately sized: the hand-written adjoint sums in a different order
+    # than autodiff through the scan, so the results agree but are not bitwise equal.
+    n, d = 48, 24
+    A, x0 = _problem(jnp.float32, n=n, seed=2)
+    build = lambda p: p  # noqa: E731
+    fs = [
+        _krylov_fn(build, "scan", d=d),
+        _krylov_fn(build, "scan", "autodiff", d=d),
+    ]
+    (_, custom), (_, autodiff) = _vjps(fs, A, x0, jr.key(3))
+    assert_trees_close(custom, autodiff, rtol=1e-4, atol=1e-4)
+    assert not all(np.array_equal(a, b) for a, b in zip(custom, autodiff, strict=True))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_custom_rule_in_jaxpr(method):
+    A, x0 = _problem(jnp.float32)
+    names = {}
+    for adjoint in ("custom_vjp", "autodiff"):
+        f = _krylov_fn(lambda p: p, method, adjoint)
+        jaxpr = jax.make_jaxpr(f)(A, x0).jaxpr
+        names[adjoint] = {eqn.primitive.name for eqn in jaxpr.eqns}
+    assert "custom_vjp_call" in names["custom_vjp"]
+    assert not any("custom_vjp" in name for name in names["autodiff"])
