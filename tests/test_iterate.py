@@ -1,0 +1,214 @@
+"""Values, reverse-mode gradients and residual memory of `krylovjax.iterate`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import (
+    DTYPES,
+    MLP,
+    assert_trees_close,
+    iterate_scan_reference,
+    random_array,
+    random_like,
+    random_matrix,
+    tol,
+)
+from jax.test_util import check_grads
+
+import krylovjax
+
+D = 4
+
+
+def _vjps(fs, args, key):
+    """Outputs and VJPs of each of `fs` with one random cotangent, in one program."""
+    out = jax.eval_shape(fs[0], *args)
+    ct = random_like(key, out)
+
+    @jax.jit
+    def run(args, ct):
+        results = []
+        for f in fs:
+            out, vjp = jax.vjp(f, *args)
+            results.append((out, vjp(ct)))
+        return results
+
+    return run(args, ct)
+
+
+class Coupled(eqx.Module):
+    """A nonlinear step on a dict state {"x": (3,), "y": (2, 3)}."""
+
+    w: jax.Array
+    v: jax.Array
+
+    def __call__(self, state):
+        x, y = state["x"], state["y"]
+        return {"x": jnp.sin(self.w @ x + y[0]), "y": jnp.tanh(self.v * y * x)}
+
+
+def _coupled(dtype, seed=0):
+    kw, kv, kx, ky = jr.split(jr.key(seed), 4)
+    step = Coupled(random_matrix(kw, 3, dtype), random_array(kv, (2, 3), dtype))
+    state = {
+        "x": random_array(kx, (3,), dtype),
+        "y": random_array(ky, (2, 3), dtype),
+    }
+    return step, state
+
+
+def _python_loop(step, x0, d):
+    states = [x0]
+    for _ in range(d - 1):
+        states.append(step(states[-1]))
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *states)
+
+
+# ---------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_pytree_state(dtype):
+    step, state = _coupled(dtype)
+    xs = jax.jit(lambda s, x: krylovjax.iterate(s, x, D))(step, state)
+    assert xs["x"].shape == (D, 3) and xs["y"].shape == (D, 2, 3)
+    assert xs["x"].dtype == dtype
+    assert_trees_close(xs, _python_loop(step, state, D), **tol(dtype))
+
+
+def test_values_tuple_state_closure():
+    w = jnp.array([[0.5, -0.2], [0.1, 0.3]])
+    step = lambda s: (jnp.tanh(w @ s[0]) + s[1], 0.5 * s[1])  # noqa: E731
+    x0 = (jnp.array([1.0, -1.0]), jnp.array([0.2, 0.4]))
+    xs = krylovjax.iterate(step, x0, D)
+    assert isinstance(xs, tuple)
+    assert_trees_close(xs, _python_loop(step, x0, D), **tol(jnp.float64))
+
+
+def test_depth_one_returns_x0_with_new_axis():
+    step, state = _coupled(jnp.float32)
+    xs = krylovjax.iterate(step, state, 1)
+    assert_trees_close(xs, jax.tree_util.tree_map(lambda x: x[None], state), rtol=0)
+    grad = jax.grad(lambda s: krylovjax.iterate(step, s, 1)["x"].sum())(state)
+    np.testing.assert_array_equal(grad["x"], np.ones(3, np.float32))
+    np.testing.assert_array_equal(grad["y"], np.zeros((2, 3), np.float32))
+
+
+# ------------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vjp_pytree_state_against_scan_autodiff(dtype):
+    step, state = _coupled(dtype)
+    fs = [
+        lambda s, x: krylovjax.iterate(s, x, D),
+        lambda s, x: iterate_scan_reference(s, x, D),
+        lambda s, x: krylovjax.iterate(s, x, D, adjoint="autodiff"),
+    ]
+    (out, grads), (out_ref, grads_ref), (_, grads_autodiff) = _vjps(
+        fs, (step, state), jr.key(1)
+    )
+    assert_trees_close(out, out_ref, **tol(dtype))
+    assert_trees_close(grads, grads_ref, **tol(dtype))
+    assert_trees_close(grads, grads_autodiff, **tol(dtype))
+
+
+def test_vjp_mlp_against_scan_autodiff():
+    mlp = MLP(jr.key(0), state=3, width=6)
+    x0 = random_array(jr.key(1), (3,), jnp.float64)
+    fs = [
+        lambda m, x: krylovjax.iterate(m, x, D),
+        lambda m, x: iterate_scan_reference(m, x, D),
+    ]
+    (out, grads), (out_ref, grads_ref) = _vjps(fs, (mlp, x0), jr.key(2))
+    assert_trees_close(out, out_ref, **tol(jnp.float64))
+    assert_trees_close(grads, grads_ref, **tol(jnp.float64))
+    for leaf in jax.tree_util.tree_leaves(grads):
+        assert np.any(leaf != 0)
+
+
+def test_grads_mlp_finite_differences():
+    mlp = MLP(jr.key(0), state=3, width=4)
+    x0 = random_array(jr.key(1), (3,), jnp.float64)
+    f = jax.jit(lambda m, x: krylovjax.iterate(m, x, 3))
+    check_grads(f, (mlp, x0), order=2, modes=["rev"])
+
+
+def test_grads_pytree_state_finite_differences():
+    step, state = _coupled(jnp.float64, seed=3)
+    f = jax.jit(lambda s, x: krylovjax.iterate(s, x, 3))
+    check_grads(f, (step, state), order=2, modes=["rev"])
+
+
+def test_grads_closure_over_traced_array():
+    # The step closes over an array created inside the differentiated function.
+    x0 = random_array(jr.key(1), (3,), jnp.float64)
+    w = random_matrix(jr.key(2), 3, jnp.float64)
+
+    def loss(fn, w, x0):
+        return jnp.sum(fn(lambda x: jnp.sin(w @ x), x0, D) ** 2)
+
+    lib = lambda s, x, d: krylovjax.iterate(s, x, d)  # noqa: E731
+    grads = jax.jit(jax.grad(lambda w, x: loss(lib, w, x), (0, 1)))(w, x0)
+    expected = jax.jit(
+        jax.grad(lambda w, x: loss(iterate_scan_reference, w, x), (0, 1))
+    )(w, x0)
+    assert_trees_close(grads, expected, **tol(jnp.float64))
+
+
+def test_only_some_inputs_differentiated():
+    # Gradient of the step only, and of one state leaf only.
+    step, state = _coupled(jnp.float64)
+
+    def loss(fn):
+        return lambda s, x: sum(jnp.sum(v**2) for v in jax.tree.leaves(fn(s, x, D)))
+
+    lib = lambda s, x, d: krylovjax.iterate(s, x, d)  # noqa: E731
+
+    @jax.jit
+    def grads(step, state):
+        return [
+            (jax.grad(loss(f), 0)(step, state), jax.grad(loss(f), 1)(step, state))
+            for f in (lib, iterate_scan_reference)
+        ]
+
+    assert_trees_close(*grads(step, state), **tol(jnp.float64))
+
+
+def test_vjp_accepts_numpy_cotangent():
+    step, state = _coupled(jnp.float64)
+    out, vjp = jax.vjp(lambda x: krylovjax.iterate(step, x, D), state)
+    ct = jax.tree.map(np.asarray, random_like(jr.key(0), out))
+    _, vjp_ref = jax.vjp(lambda x: iterate_scan_reference(step, x, D), state)
+    assert_trees_close(vjp(ct), vjp_ref(ct), **tol(jnp.float64))
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def test_custom_vjp_saves_less_memory_than_autodiff():
+    # A wide hidden layer: autodiff through the scan saves every step's hidden
+    # activations; the hand-written adjoint saves only the trajectory.
+    state, width, d = 8, 512, 64
+    mlp = MLP(jr.key(0), state=state, width=width, dtype=jnp.float32)
+    x0 = random_array(jr.key(1), (state,), jnp.float32)
+
+    def temp_bytes(adjoint):
+        def loss(m, x):
+            return jnp.sum(krylovjax.iterate(m, x, d, adjoint=adjoint) ** 2)
+
+        compiled = jax.jit(jax.grad(loss)).lower(mlp, x0).compile()
+        stats = compiled.memory_analysis()
+        if stats is None:
+            pytest.skip("memory_analysis() returns None on this backend")
+        return stats.temp_size_in_bytes
+
+    custom, autodiff = temp_bytes("custom_vjp"), temp_bytes("autodiff")
+    # Autodiff keeps at least (d - 1) hidden layers of `width` float32 values.
+    hidden = (d - 1) * width * 4
+    assert autodiff >= hidden
+    assert custom < hidden / 4
+    assert 4 * custom < autodiff
