@@ -1,0 +1,345 @@
+"""Benchmark `krylov(method=...)`: "scan" against "doubling" against "auto".
+
+Three measurements, each written to `--out` (default `benchmarks/results_methods`)
+as JSON and markdown, plus a plot of the timing ratios:
+
+1. Time of `jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))` with
+   `loss(A, x0) = sum(krylov(A, x0, d, method=m) * W)`, for a dense random `A`
+   (spectral radius 0.9) and `x0` of shape `(n,)`, over a grid of `n` and `d`. The
+   methods are timed side by side in one run, interleaved, and the median of the
+   repeats is reported, so the ratios are meaningful on a shared machine even when
+   the absolute times are not.
+2. Accuracy: the largest column-wise relative error of the float32 Krylov matrix
+   (and of the float32 gradient of `x0`) against a float64 reference, for random
+   `A` with spectral radius 0.9 and 1.1 and a non-normal `A`, for both methods.
+3. Memory: XLA's compiled memory analysis of `jit(grad(loss))` for both methods.
+
+Run `python benchmarks/bench_methods.py` (about ten minutes on two CPU cores) or
+`python benchmarks/bench_methods.py --quick` (a smaller grid, fewer repeats).
+"""
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import krylovjax
+from krylovjax._doubling import choose_method
+from krylovjax._operator import as_operator
+
+METHODS = ("scan", "doubling", "auto")
+NS = (4, 16, 64, 256, 1024)
+DS = (16, 128, 1024, 4096)
+QUICK_NS = (4, 16, 64, 256)
+QUICK_DS = (16, 128, 1024, 4096)
+# Sizes not run on a CPU, with the reason; listed in the output tables.
+SKIPPED = {
+    (1024, 4096): "too long on 2 CPU cores (several seconds per call for each method)",
+    (4096, 1024): "GPU-only size (an n^3 log d doubling at n=4096 is minutes on CPU)",
+}
+
+
+def random_matrix(rng, n, radius, dtype=np.float64):
+    """A Gaussian matrix rescaled to the given spectral radius."""
+    A = rng.standard_normal((n, n))
+    A *= radius / np.max(np.abs(np.linalg.eigvals(A)))
+    return A.astype(dtype)
+
+
+def nonnormal_matrix(rng, n, radius, coupling=1.0):
+    """Upper-triangular, eigenvalues of modulus <= radius, strong off-diagonal."""
+    eig = radius * rng.uniform(0.5, 1.0, n)
+    upper = np.triu(rng.standard_normal((n, n)), 1) * coupling / np.sqrt(n)
+    Q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    return Q @ (np.diag(eig) + upper) @ Q.T
+
+
+def make_step(method, d):
+    def loss(A, x0, W):
+        return jnp.sum(krylovjax.krylov(A, x0, d, method=method) * W)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def _block(out):
+    jax.block_until_ready(out)
+
+
+def time_grid(ns, ds, repeats, dtype, budget):
+    rows = []
+    for n in ns:
+        for d in ds:
+            if (n, d) in SKIPPED:
+                rows.append({"n": n, "d": d, "skipped": SKIPPED[(n, d)]})
+                print(f"n={n:5d} d={d:5d} skipped: {SKIPPED[(n, d)]}", flush=True)
+                continue
+            rng = np.random.default_rng(n * 7919 + d)
+            A = jnp.asarray(random_matrix(rng, n, 0.9), dtype)
+            x0 = jnp.asarray(rng.standard_normal(n), dtype)
+            W = jnp.asarray(rng.standard_normal((n, d)), dtype)
+            steps = {m: make_step(m, d) for m in METHODS}
+            # Compile and warm up; estimate one call to choose the inner loop count.
+            estimate = {}
+            for m, step in steps.items():
+                _block(step(A, x0, W))
+                t0 = time.perf_counter()
+                _block(step(A, x0, W))
+                estimate[m] = time.perf_counter() - t0
+            slowest = max(estimate.values())
+            if slowest * repeats * len(METHODS) > budget:
+                reps = max(3, int(budget / (slowest * len(METHODS))))
+            else:
+                reps = repeats
+            number = max(1, int(0.02 / max(min(estimate.values()), 1e-7)))
+            times = {m: [] for m in METHODS}
+            for _ in range(reps):
+                for m, step in steps.items():  # interleaved: side by side in time
+                    t0 = time.perf_counter()
+                    for _ in range(number):
+                        out = step(A, x0, W)
+                    _block(out)
+                    times[m].append((time.perf_counter() - t0) / number)
+            med = {m: statistics.median(t) for m, t in times.items()}
+            operator, x = as_operator(A, x0, "krylov")
+            chosen = choose_method(operator, x, d)
+            best = min(med["scan"], med["doubling"])
+            row = {
+                "n": n,
+                "d": d,
+                "repeats": reps,
+                "number": number,
+                **{f"{m}_s": med[m] for m in METHODS},
+                "scan_over_doubling": med["scan"] / med["doubling"],
+                "auto_over_best": med["auto"] / best,
+                "auto_choice": chosen,
+            }
+            rows.append(row)
+            print(
+                f"n={n:5d} d={d:5d}  scan {med['scan'] * 1e3:9.3f} ms  doubling "
+                f"{med['doubling'] * 1e3:9.3f} ms  auto {med['auto'] * 1e3:9.3f} ms "
+                f"({chosen})  scan/doubling {row['scan_over_doubling']:7.2f}  "
+                f"auto/best {row['auto_over_best']:5.2f}",
+                flush=True,
+            )
+    return rows
+
+
+def _column_error(X, ref):
+    """Largest relative error over columns whose reference is float32-representable."""
+    X = np.asarray(X, np.float64)
+    ref = np.asarray(ref, np.float64)
+    norm = np.linalg.norm(ref, axis=0)
+    keep = (norm > 1e-30) & (norm < 1e30)
+    err = np.linalg.norm(X - ref, axis=0)[keep] / norm[keep]
+    err = np.where(np.isfinite(err), err, np.inf)
+    return float(np.max(err)), int(np.sum(keep))
+
+
+def _loss_of_x0(A, x0, W, d, method):
+    return jnp.sum(krylovjax.krylov(A, x0, d, method=method) * W)
+
+
+def accuracy(ns, ds):
+    rows = []
+    cases = [("radius 0.9", 0.9), ("radius 1.1", 1.1), ("non-normal 0.9", None)]
+    for n in ns:
+        for d in ds:
+            for name, radius in cases:
+                rng = np.random.default_rng(1000 * n + d)
+                if radius is None:
+                    A64 = nonnormal_matrix(rng, n, 0.9, coupling=4.0)
+                else:
+                    A64 = random_matrix(rng, n, radius)
+                x64 = rng.standard_normal(n)
+                W64 = rng.standard_normal((n, d))
+                with jax.enable_x64(True):
+                    A, x, W = map(jnp.asarray, (A64, x64, W64))
+                    ref = krylovjax.krylov(A, x, d, method="scan")
+                    ref_g = jax.grad(_loss_of_x0, argnums=1)(A, x, W, d, "scan")
+                    ref, ref_g = np.asarray(ref), np.asarray(ref_g)
+                A32, x32, W32 = (jnp.asarray(a, jnp.float32) for a in (A64, x64, W64))
+                row = {"case": name, "n": n, "d": d}
+                for m in ("scan", "doubling"):
+                    X = krylovjax.krylov(A32, x32, d, method=m)
+                    g = jax.grad(_loss_of_x0, argnums=1)(A32, x32, W32, d, m)
+                    err, cols = _column_error(X, ref)
+                    gerr = float(
+                        np.linalg.norm(np.asarray(g, np.float64) - ref_g)
+                        / np.linalg.norm(ref_g)
+                    )
+                    row[f"{m}_err"] = err
+                    row[f"{m}_grad_err"] = gerr
+                    row["columns"] = cols
+                row["err_ratio"] = row["doubling_err"] / row["scan_err"]
+                row["grad_err_ratio"] = row["doubling_grad_err"] / row["scan_grad_err"]
+                rows.append(row)
+                print(
+                    f"{name:15s} n={n:4d} d={d:5d} cols={cols:5d}  values: scan "
+                    f"{row['scan_err']:.2e} doubling {row['doubling_err']:.2e} "
+                    f"(x{row['err_ratio']:.2f})  grad x0: scan "
+                    f"{row['scan_grad_err']:.2e} doubling "
+                    f"{row['doubling_grad_err']:.2e} (x{row['grad_err_ratio']:.2f})",
+                    flush=True,
+                )
+    return rows
+
+
+def memory(sizes):
+    rows = []
+    for n, d in sizes:
+        A = jax.ShapeDtypeStruct((n, n), jnp.float32)
+        x0 = jax.ShapeDtypeStruct((n,), jnp.float32)
+        W = jax.ShapeDtypeStruct((n, d), jnp.float32)
+        row = {"n": n, "d": d, "nd_bytes": 4 * n * d, "nn_bytes": 4 * n * n}
+        for m in ("scan", "doubling"):
+
+            def loss(A, x0, W, m=m, d=d):
+                return jnp.sum(krylovjax.krylov(A, x0, d, method=m) * W)
+
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(A, x0, W).compile()
+            row[f"{m}_temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+        rows.append(row)
+        print(
+            f"memory n={n:5d} d={d:5d}: temp scan {row['scan_temp_bytes']:,} B, "
+            f"doubling {row['doubling_temp_bytes']:,} B (n*d*4 = {row['nd_bytes']:,} "
+            f"B, n*n*4 = {row['nn_bytes']:,} B)",
+            flush=True,
+        )
+    return rows
+
+
+def write_markdown(path, command, timing, acc, mem):
+    lines = [
+        "# `krylov(method=...)`: scan vs doubling vs auto",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {platform.machine()}, {jax.devices()[0].device_kind}, "
+        f"JAX {jax.__version__}, backend {jax.default_backend()}.",
+        "",
+        "## Forward + gradient time (float32, median of repeats, milliseconds)",
+        "",
+        "`jit(value_and_grad(sum(krylov(A, x0, d) * W)))` with respect to `A` and "
+        "`x0`; `x0` of shape `(n,)`.",
+        "",
+        "| n | d | scan | doubling | auto (choice) | scan / doubling | auto / best |",
+        "|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in timing:
+        if "skipped" in r:
+            lines.append(f"| {r['n']} | {r['d']} | skipped: {r['skipped']} | | | | |")
+            continue
+        lines.append(
+            f"| {r['n']} | {r['d']} | {r['scan_s'] * 1e3:.3f} | "
+            f"{r['doubling_s'] * 1e3:.3f} | {r['auto_s'] * 1e3:.3f} "
+            f"({r['auto_choice']}) | {r['scan_over_doubling']:.2f} | "
+            f"{r['auto_over_best']:.2f} |"
+        )
+    lines += [
+        "",
+        "## Accuracy (float32 against a float64 reference)",
+        "",
+        "Largest column-wise relative error $\\|x_i - x_i^{ref}\\| / \\|x_i^{ref}\\|$ "
+        "over the columns whose reference norm lies in $(10^{-30}, 10^{30})$, and the "
+        "relative error of the gradient of `x0` of `sum(X * W)`.",
+        "",
+        "| case | n | d | columns | scan | doubling | ratio | grad scan | "
+        "grad doubling | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in acc:
+        lines.append(
+            f"| {r['case']} | {r['n']} | {r['d']} | {r['columns']} | "
+            f"{r['scan_err']:.2e} | {r['doubling_err']:.2e} | {r['err_ratio']:.2f} | "
+            f"{r['scan_grad_err']:.2e} | {r['doubling_grad_err']:.2e} | "
+            f"{r['grad_err_ratio']:.2f} |"
+        )
+    lines += [
+        "",
+        "## Memory of `jit(grad(loss))` (XLA compiled memory analysis, temp bytes)",
+        "",
+        "| n | d | scan | doubling | 4 n d | 4 n^2 |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in mem:
+        lines.append(
+            f"| {r['n']} | {r['d']} | {r['scan_temp_bytes']:,} | "
+            f"{r['doubling_temp_bytes']:,} | {r['nd_bytes']:,} | {r['nn_bytes']:,} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path, timing):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = [r for r in timing if "skipped" not in r]
+    for n in sorted({r["n"] for r in rows}):
+        sub = [r for r in rows if r["n"] == n]
+        ax.plot(
+            [r["d"] for r in sub],
+            [r["scan_over_doubling"] for r in sub],
+            marker="o",
+            label=f"n = {n}",
+        )
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("d (number of vectors)")
+    ax.set_ylabel("time(scan) / time(doubling)")
+    ax.set_title("forward + gradient, CPU float32 (> 1: doubling faster)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller grid")
+    parser.add_argument("--out", default="benchmarks/results_methods")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds per grid point (about)"
+    )
+    parser.add_argument("--skip-accuracy", action="store_true")
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/bench_methods.py" + (" --quick" if args.quick else "")
+    ns, ds = (QUICK_NS, QUICK_DS) if args.quick else (NS, DS)
+    repeats = args.repeats or (5 if args.quick else 9)
+    budget = args.budget or (6.0 if args.quick else 20.0)
+
+    timing = time_grid(ns, ds, repeats, jnp.float32, budget)
+    if args.skip_accuracy:
+        acc = []
+    else:
+        acc_ds = (256, 4096) if args.quick else (256, 1024, 4096)
+        acc = accuracy((16, 64), acc_ds)
+    mem = memory([(64, 4096), (256, 1024), (256, 4096)])
+
+    result = {
+        "command": command,
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "timing": timing,
+        "accuracy": acc,
+        "memory": mem,
+    }
+    (out / "methods.json").write_text(json.dumps(result, indent=1))
+    write_markdown(out / "methods.md", command, timing, acc, mem)
+    plot(out / "methods.png", timing)
+    print(f"wrote {out}/methods.json, methods.md, methods.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+r"""Parallel-in-time construction of the Krylov matrix by repeated doubling.
+
+`krylov(..., method="doubling")` builds $X = [x_0, A x_0, \dots, A^{d-1} x_0]$ in
+$\lceil \log_2 d \rceil$ levels instead of $d - 1$ sequential matrix-vector products.
+Starting from $X = [x_0]$ and $P = A$, each level appends $P X$ to $X$ and squares
+$P$:
+
+$$[x_0, \dots, x_{k-1}] \;\to\; [x_0, \dots, x_{k-1} \mid A^k x_0, \dots,
+  A^k x_{k-1}], \qquad A^k \to A^{2k},$$
+
+with the last level truncated to $d$ vectors. The cost is about $\log_2 d$ products
+$n \times n \times n$ plus $n^2 d$ work spread over the levels; every product is one
+large GEMM, so the method pays off when $A$ is small and $d$ is large, where the
+sequential scan is dominated by per-step overhead.
+
+The reverse pass (its own `equinox.filter_custom_vjp`) is parallel in time too. The
+adjoint recurrence $\lambda_{d-1} = g_{d-1}$, $\lambda_i = g_i + A^\top \lambda_{i+1}$
+has the closed form $\lambda_i = \sum_{j \ge i} (A^\top)^{j-i} g_j$, a suffix scan with
+a constant matrix, solved in $O(\log d)$ levels of batched products on the
+$(d, n)$ buffer. Two schemes are used:
+
+- the work-efficient tree scan (Blelloch): an up-sweep combines neighbouring blocks
+  of length $s$ into blocks of length $2s$ with value
+  $B = B_\text{left} + (A^s)^\top B_\text{right}$, for $s = 1, 2, 4, \dots$; a
+  down-sweep then sets $\lambda$ at the start of every right block to its value plus
+  $(A^s)^\top$ times $\lambda$ at the start of the following block. About $2 n^2 d$
+  work, but the $\lceil \log_2 d \rceil$ powers $A^s$ stay alive between the
+  sweeps. It is used whenever they take at most twice the memory of the buffer plus
+  one matrix, which covers every problem where doubling is fast ($d \gg n$);
+- otherwise the Hillis-Steele scan,
+  $\lambda \leftarrow g$, then $\lambda_i \leftarrow \lambda_i + (A^s)^\top
+  \lambda_{i+s}$ ($i + s < d$) for $s = 1, 2, 4, \dots$: after the step with shift
+  $s$, $\lambda_i$ holds the first $2s$ terms of its sum. Only one power is alive at a
+  time; its $n^2 d \log_2 d$ work is then at most $\tfrac12 \log_2 d$ times the
+  $n^3 \log_2 d$ cost of the powers, which dominate anyway.
+
+Either way, the powers $A^s$ are recomputed by squaring in the reverse pass rather
+than saved by the forward pass, and memory stays $O(n d + n^2)$. Then, exactly as
+for the scan,
+
+- the gradient of $x_0$ is $\lambda_0$;
+- the gradient of $A$ is one GEMM $[\lambda_1, \dots, \lambda_{d-1}] \,
+  [x_0, \dots, x_{d-2}]^\top$ (any block axis of $x_0$ contracted too), or, for a
+  BCOO matrix, that product sampled at the stored indices.
+
+Residuals are the forward output and the operator.
+
+A BCOO matrix is densified (`A.todense()`) for the products, since $A^2, A^4, \dots$
+fill in after a few levels; only the gradient of its stored values is sparse.
+A callable operator has no matrix to square, so it is rejected.
+
+All matrix products here use `jax.lax.Precision.HIGHEST`: on accelerators whose
+default float32 matrix product rounds to fewer bits, high powers $A^{2^k}$ would
+otherwise lose accuracy that the scan keeps.
+"""
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax import lax
+from jaxtyping import Array, Inexact
+
+from ._operator import AbstractOperator, DenseOperator, FunctionOperator, SparseOperator
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def check_doubling(operator: AbstractOperator) -> None:
+    """Raise a `ValueError` unless `operator` is a dense or BCOO matrix."""
+    if isinstance(operator, FunctionOperator):
+        msg = (
+            "`krylov(method='doubling')` needs a dense or BCOO matrix `A`; got a "
+            "callable. Pass the matrix itself, or use `method='scan'`."
+        )
+        raise ValueError(msg)
+
+
+def dense_matrix(operator: AbstractOperator) -> Inexact[Array, "n n"]:
+    """The operator as a dense `(n, n)` array (a BCOO matrix is densified)."""
+    if isinstance(operator, DenseOperator):
+        return operator.matrix
+    if isinstance(operator, SparseOperator):
+        return operator.matrix.todense()
+    check_doubling(operator)
+    msg = f"Unsupported operator {type(operator).__name__}."
+    raise TypeError(msg)
+
+
+# ----------------------------------------------------------------------- selection
+
+# `method="auto"` picks "doubling" for a dense matrix when `d >= min_depth` for the
+# first row of `_MIN_DEPTH` with `n <= max_n`, and "scan" otherwise (always "scan"
+# for a BCOO matrix or a callable). The rows come from
+# `python benchmarks/bench_methods.py` (CPU, float32, forward + gradient); the table
+# that justifies them is in the docstring of `choose_method`.
+_MIN_DEPTH: tuple[tuple[int, int], ...] = ((8, 1024), (32, 1024), (128, 2048))
+
+
+def choose_method(
+    operator: AbstractOperator,
+    x0: Array,
+    d: int,
+    backend: str | None = None,
+) -> Literal["scan", "doubling"]:
+    """The method that `krylov(method="auto")` uses for this problem.
+
+    **Arguments:**
+
+    - `operator`: the operator in internal form (see `as_operator`).
+    - `x0`: the starting vector `(n,)` or block `(n, b)`, after dtype promotion.
+    - `d`: the number of vectors.
+    - `backend`: the JAX backend name; defaults to `jax.default_backend()`.
+
+    **Returns:**
+
+    `"scan"` or `"doubling"`.
+    """
+    if not isinstance(operator, DenseOperator):
+        return "scan"
+    if backend is None:
+        backend = jax.default_backend()
+    n = x0.shape[0]
+    for max_n, min_depth in _MIN_DEPTH:
+        if n <= max_n:
+            return "doubling" if d >= min_depth else "scan"
+    return "scan"
+
+
+# ------------------------------------------------------------------------- forward
+
+
+def _apply(P: Array, xs: Array) -> Array:
+    """$P$ applied to every vector of a stack `(k, n, *b)`, as one GEMM."""
+    out = lax.dot_general(xs, P, (((1,), (1,)), ((), ())), precision=_HIGHEST)
+    return jnp.moveaxis(out, -1, 1)
+
+
+def _apply_transpose(P: Array, xs: Array) -> Array:
+    """$P^\top$ applied to every vector of a stack `(k, n, *b)`, as one GEMM."""
+    out = lax.dot_general(xs, P, (((1,), (0,)), ((), ())), precision=_HIGHEST)
+    return jnp.moveaxis(out, -1, 1)
+
+
+def _square(P: Array) -> Array:
+    return jnp.matmul(P, P, precision=_HIGHEST)
+
+
+def krylov_doubling(
+    matrix: Inexact[Array, "n n"], x0: Inexact[Array, "n ..."], d: int
+) -> Inexact[Array, "d n ..."]:
+    """The forward pass by doubling; vectors stacked on a new leading axis."""
+    xs = x0[None]
+    power = matrix
+    while xs.shape[0] < d:
+        k = xs.shape[0]
+        xs = jnp.concatenate([xs, _apply(power, xs[: min(k, d - k)])])
+        if 2 * k < d:
+            power = _square(power)
+    return xs
+
+
+def adjoint_doubling(
+    matrix: Inexact[Array, "n n"], g: Inexact[Array, "d n ..."]
+) -> Inexact[Array, "d n ..."]:
+    r"""All adjoint vectors $[\lambda_0, \dots, \lambda_{d-1}]$ by a suffix scan.
+
+    Uses the work-efficient tree scan when the $\lceil \log_2 d \rceil$ powers it
+    keeps alive fit in twice the memory of the buffer and one matrix, and the
+    Hillis-Steele scan (one power alive at a time) otherwise.
+    """
+    d, n = g.shape[0], g.shape[1]
+    levels = max(d - 1, 1).bit_length()
+    if n * n * levels <= 2 * (g.size + n * n):
+        return _suffix_scan_tree(matrix, g)
+    return _suffix_scan_hillis_steele(matrix, g)
+
+
+def _suffix_scan_hillis_steele(matrix: Array, g: Array) -> Array:
+    d = g.shape[0]
+    lam = g
+    power = matrix
+    shift = 1
+    while shift < d:
+        lam = lam.at[: d - shift].add(_apply_transpose(power, lam[shift:]))
+        shift *= 2
+        if shift < d:
+            power = _square(power)
+    return lam
+
+
+def _suffix_scan_tree(matrix: Array, g: Array) -> Array:
+    # Up-sweep: pair neighbouring blocks of size s into blocks of size 2s, with
+    # block value B = B_left + (A^s)^T B_right; keep every right block and power.
+    powers, rights, sizes = [], [], []
+    level = g
+    power = matrix
+    while level.shape[0] > 1:
+        sizes.append(level.shape[0])
+        if level.shape[0] % 2:
+            level = jnp.concatenate([level, jnp.zeros_like(level[:1])])
+        right = level[1::2]
+        powers.append(power)
+        rights.append(right)
+        level = level[0::2] + _apply_transpose(power, right)
+        if level.shape[0] > 1:
+            power = _square(power)
+    # Down-sweep: lam at the start of a right child is its block value plus
+    # (A^s)^T lam at the start of the next parent block; left children inherit.
+    lam = level
+    for power, right, size in zip(
+        reversed(powers), reversed(rights), reversed(sizes), strict=True
+    ):
+        following = jnp.concatenate([lam[1:], jnp.zeros_like(lam[:1])])
+        lam_right = right + _apply_transpose(power, following)
+        lam = jnp.stack([lam, lam_right], axis=1).reshape(-1, *lam.shape[1:])
+        lam = lam[:size]
+    return lam
+
+
+@eqx.filter_custom_vjp
+def krylov_doubling_custom_vjp(
+    vjp_arg: tuple[AbstractOperator, Array], d: int
+) -> Array:
+    operator, x0 = vjp_arg
+    return krylov_doubling(dense_matrix(operator), x0, d)
+
+
+@krylov_doubling_custom_vjp.def_fwd
+def _doubling_fwd(perturbed, vjp_arg, d):
+    del perturbed
+    xs = krylov_doubling_custom_vjp.fn(vjp_arg, d)
+    return xs, xs
+
+
+@krylov_doubling_custom_vjp.def_bwd
+def _doubling_bwd(xs, g, perturbed, vjp_arg, d):
+    operator, _ = vjp_arg
+    operator_perturbed, _ = perturbed
+    if g is None:
+        g = jnp.zeros_like(xs)
+    lam = adjoint_doubling(dense_matrix(operator), g)
+    if any(jtu.tree_leaves(operator_perturbed)):
+        grad_operator = operator.param_vjp(xs[:-1], lam[1:])
+    else:
+        grad_operator = jtu.tree_map(
+            lambda _: None, eqx.filter(operator, eqx.is_inexact_array)
+        )
+    return grad_operator, lam[0]

@@ -1,0 +1,369 @@
+"""`krylov(method="doubling")`: values, both adjoints, transforms, and `"auto"`."""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+from helpers import (
+    DTYPES,
+    LAYOUTS,
+    assert_trees_close,
+    krylov_loop,
+    make_operator,
+    random_array,
+    random_like,
+    random_matrix,
+    tol,
+    x0_shape,
+)
+from jax.experimental import sparse
+from jax.test_util import check_grads
+
+import krylovjax
+from krylovjax import _doubling
+from krylovjax._doubling import (
+    _suffix_scan_hillis_steele,
+    _suffix_scan_tree,
+    adjoint_doubling,
+    choose_method,
+)
+from krylovjax._operator import as_operator
+
+N = 5
+MATRIX_KINDS = ("dense", "bcoo")
+
+
+def _problem(dtype, block=None, n=N, seed=0):
+    ka, kx = jr.split(jr.key(seed))
+    return random_matrix(ka, n, dtype), random_array(kx, x0_shape(n, block), dtype)
+
+
+# ---------------------------------------------------------------------- values
+
+
+_krylov = jax.jit(krylovjax.krylov, static_argnames=("d", "layout", "method"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("block", [None, 3])
+def test_values_dense(dtype, layout, block):
+    A, x0 = _problem(dtype, block)
+    got = _krylov(A, x0, d=7, layout=layout, method="doubling")
+    want = krylov_loop(lambda x: A @ x, x0, 7, layout)
+    assert got.dtype == want.dtype
+    assert_trees_close(got, want, **tol(dtype))
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4, 16, 17])
+def test_values_depths(d):
+    A, x0 = _problem(jnp.float64)
+    got = _krylov(A, x0, d=d, method="doubling")
+    assert_trees_close(got, krylov_loop(lambda x: A @ x, x0, d), **tol(jnp.float64))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex64])
+@pytest.mark.parametrize("block", [None, 2])
+def test_values_bcoo(dtype, block):
+    A, x0 = _problem(dtype, block, n=7)
+    params, build = make_operator("bcoo", A)
+    got = _krylov(build(params), x0, d=11, method="doubling")
+    B = build(params).todense()
+    assert_trees_close(got, krylov_loop(lambda x: B @ x, x0, 11), **tol(dtype))
+
+
+def test_dtype_promotion():
+    A, x0 = _problem(jnp.complex64)
+    got = krylovjax.krylov(A, x0.real, 6, method="doubling")
+    want = krylovjax.krylov(A, x0.real, 6, method="scan")
+    assert got.dtype == jnp.complex64
+    assert_trees_close(got, want, **tol(jnp.complex64))
+
+
+# ------------------------------------------------------------------ gradients
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("block", [None, 2])
+def test_suffix_scans_match_the_recurrence(d, block):
+    # Both parallel schemes against lam_i = g_i + A^T lam_(i+1), for every d mod 4.
+    A, _ = _problem(jnp.float64)
+    g = random_array(jr.key(1), (d, *x0_shape(N, block)), jnp.float64)
+    lams = [g[-1]]
+    for k in range(d - 2, -1, -1):
+        lams.insert(0, g[k] + A.T @ lams[0])
+    want = jnp.stack(lams)
+    assert_trees_close(_suffix_scan_tree(A, g), want, **tol(jnp.float64))
+    assert_trees_close(_suffix_scan_hillis_steele(A, g), want, **tol(jnp.float64))
+
+
+def test_adjoint_picks_a_scheme_by_memory():
+    # Traced with fresh functions (no cache), so the spies see every call.
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args):
+            calls.append(name)
+            return fn(*args)
+
+        return wrapped
+
+    A = random_matrix(jr.key(0), 12, jnp.float64)
+    g = random_array(jr.key(1), (5, 12), jnp.float64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_doubling, "_suffix_scan_tree", spy("tree", _suffix_scan_tree))
+        mp.setattr(
+            _doubling,
+            "_suffix_scan_hillis_steele",
+            spy("hillis_steele", _suffix_scan_hillis_steele),
+        )
+        # 3 powers of 12 x 12 > 2 (5 * 12 + 12 * 12): Hillis-Steele; then the tree.
+        jax.eval_shape(lambda A, g: adjoint_doubling(A, g), A, g)
+        jax.eval_shape(lambda A, g: adjoint_doubling(A, g), A[:4, :4], g[:, :4])
+    assert calls == ["hillis_steele", "tree"]
+
+
+def _vjp_pair(kind, dtype, d, block, layout="columns", n=N, seed=0):
+    """VJPs of doubling (custom rule) and scan (autodiff) at one random cotangent."""
+    A, x0 = _problem(dtype, block, n=n, seed=seed)
+    params, build = make_operator(kind, A)
+
+    def f(method, adjoint):
+        def fn(p, x):
+            return krylovjax.krylov(
+                build(p), x, d, layout=layout, method=method, adjoint=adjoint
+            )
+
+        return fn
+
+    ct = random_like(
+        jr.key(seed + 7), jax.eval_shape(f("scan", "autodiff"), params, x0)
+    )
+
+    @jax.jit
+    def vjps(params, x0, ct):
+        pairs = [
+            ("doubling", "custom_vjp"),
+            ("scan", "autodiff"),
+            ("doubling", "autodiff"),
+        ]
+        return [jax.vjp(f(*pair), params, x0)[1](ct) for pair in pairs]
+
+    return vjps(params, x0, ct)
+
+
+@pytest.mark.parametrize("kind", MATRIX_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [None, 3])
+def test_vjp_against_scan(kind, dtype, block):
+    custom, scan, autodiff = _vjp_pair(kind, dtype, 9, block)
+    assert_trees_close(custom, scan, **tol(dtype))
+    assert_trees_close(autodiff, scan, **tol(dtype))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("d", [2, 5, 16])
+def test_vjp_layouts_and_depths(layout, d):
+    custom, scan, _ = _vjp_pair("dense", jnp.float64, d, 2, layout)
+    assert_trees_close(custom, scan, **tol(jnp.float64))
+
+
+def test_vjp_hillis_steele_path():
+    # n = 12, d = 5: the tree scan's powers would not fit, so the reverse pass takes
+    # the Hillis-Steele scheme inside `krylov` too.
+    custom, scan, _ = _vjp_pair("dense", jnp.float64, 5, None, n=12)
+    assert_trees_close(custom, scan, **tol(jnp.float64))
+
+
+def test_custom_rule_runs():
+    calls = []
+    original = _doubling.adjoint_doubling
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    A, x0 = _problem(jnp.float64)
+
+    def grad(adjoint):
+        def loss(A):
+            return krylovjax.krylov(A, x0, 6, method="doubling", adjoint=adjoint).sum()
+
+        return jax.eval_shape(jax.grad(loss), A)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_doubling, "adjoint_doubling", counting)
+        grad("custom_vjp")
+        assert calls == [1]
+        grad("autodiff")
+        assert calls == [1]
+
+
+@pytest.mark.parametrize("kind", MATRIX_KINDS)
+@pytest.mark.parametrize("block", [None, 2])
+@pytest.mark.parametrize("adjoint", ["custom_vjp", "autodiff"])
+def test_grads_finite_differences(kind, block, adjoint):
+    A, x0 = _problem(jnp.float64, block, n=4)
+    params, build = make_operator(kind, A)
+
+    @jax.jit
+    def f(p, x):
+        return krylovjax.krylov(build(p), x, 6, method="doubling", adjoint=adjoint)
+
+    check_grads(f, (params, x0), order=2, modes=["rev"])
+
+
+def test_grads_finite_differences_complex():
+    A, x0 = _problem(jnp.complex128, 2, n=3)
+
+    @jax.jit
+    def f(A, x):
+        return krylovjax.krylov(A, x, 5, layout="rows", method="doubling")
+
+    check_grads(f, (A, x0), order=2, modes=["rev"])
+
+
+def test_forward_mode_with_autodiff_adjoint():
+    A, x0 = _problem(jnp.float64)
+
+    @jax.jit
+    def f(x):
+        return krylovjax.krylov(A, x, 7, method="doubling", adjoint="autodiff")
+
+    tangent = random_array(jr.key(3), x0.shape, x0.dtype)
+    _, out = jax.jvp(f, (x0,), (tangent,))
+    assert_trees_close(out, f(tangent), **tol(jnp.float64))
+
+
+# ----------------------------------------------------------------- transforms
+
+
+def _loss(method, d=8):
+    W = random_array(jr.key(5), (N, d), jnp.float64)
+
+    def loss(A, x):
+        return jnp.sum(krylovjax.krylov(A, x, d, method=method) * W)
+
+    return loss
+
+
+def test_jit_and_grad_of_grad():
+    A, x0 = _problem(jnp.float64)
+
+    def hessian_like(method):
+        inner = jax.grad(_loss(method), argnums=(0, 1))
+        return jax.jit(jax.grad(lambda A, x: jnp.sum(inner(A, x)[1] ** 2), (0, 1)))
+
+    assert_trees_close(
+        hessian_like("doubling")(A, x0), hessian_like("scan")(A, x0), **tol(jnp.float64)
+    )
+
+
+def _krylov_6(method):
+    return lambda A, x: krylovjax.krylov(A, x, 6, method=method)
+
+
+@pytest.mark.parametrize("in_axes", [(None, 0), (0, None), (0, 0)])
+def test_vmap_over_x0_and_A(in_axes):
+    As = jnp.stack([_problem(jnp.float64, seed=s)[0] for s in range(3)])
+    xs = jnp.stack([_problem(jnp.float64, seed=s)[1] for s in range(3)])
+    args = (As[0] if in_axes[0] is None else As, xs[0] if in_axes[1] is None else xs)
+    for make in (_krylov_6, lambda m: jax.grad(_loss(m), (0, 1))):
+        got = jax.jit(jax.vmap(make("doubling"), in_axes))(*args)
+        want = jax.jit(jax.vmap(make("scan"), in_axes))(*args)
+        assert_trees_close(got, want, **tol(jnp.float64))
+
+
+def test_checkpoint():
+    A, x0 = _problem(jnp.float64)
+    got = jax.jit(jax.grad(jax.checkpoint(_loss("doubling")), (0, 1)))(A, x0)
+    want = jax.jit(jax.grad(_loss("scan"), (0, 1)))(A, x0)
+    assert_trees_close(got, want, **tol(jnp.float64))
+
+
+def test_reverse_pass_memory_has_no_per_level_copies():
+    # XLA's compiled memory analysis of jit(grad): a buffer per doubling level would
+    # cost about log2(d) = 10 times the (n, d) buffer; allow 6 buffers and 8 matrices.
+    n, d = 32, 1024
+    A = jax.ShapeDtypeStruct((n, n), jnp.float32)
+    x0 = jax.ShapeDtypeStruct((n,), jnp.float32)
+
+    def loss(A, x0):
+        return jnp.sum(jnp.sin(krylovjax.krylov(A, x0, d, method="doubling")))
+
+    compiled = jax.jit(jax.grad(loss, (0, 1))).lower(A, x0).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 4 * (6 * n * d + 8 * n * n), temp
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_callable_rejected():
+    A, x0 = _problem(jnp.float32)
+    with pytest.raises(ValueError, match=r"method='doubling'.*got a callable"):
+        krylovjax.krylov(lambda x: A @ x, x0, 4, method="doubling")
+
+
+@pytest.mark.parametrize("d", [0, -2])
+def test_bad_depth(d):
+    A, x0 = _problem(jnp.float32)
+    with pytest.raises(ValueError, match=r"krylov\(d=\.\.\.\)"):
+        krylovjax.krylov(A, x0, d, method="doubling")
+
+
+def test_bad_method():
+    A, x0 = _problem(jnp.float32)
+    with pytest.raises(ValueError, match=r"krylov\(method=\.\.\.\).*'doubling'"):
+        krylovjax.krylov(A, x0, 4, method="doubled")
+
+
+# ------------------------------------------------------------------------ auto
+
+
+def _operator(kind, n, dtype=jnp.float32, block=None):
+    A = jnp.zeros((n, n), dtype)
+    x0 = jnp.zeros(x0_shape(n, block), dtype)
+    if kind == "bcoo":
+        A = sparse.BCOO.fromdense(jnp.eye(n, dtype=dtype))
+    elif kind == "callable":
+        M = A
+        A = lambda x: M @ x  # noqa: E731
+    return as_operator(A, x0, "krylov")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize(
+    ("n", "d", "want"),
+    [
+        (4, 4096, "doubling"),
+        (4, 1024, "doubling"),
+        (4, 512, "scan"),
+        (16, 1024, "doubling"),
+        (16, 128, "scan"),
+        (64, 4096, "doubling"),
+        (64, 1024, "scan"),
+        (256, 4096, "scan"),
+        (1024, 1024, "scan"),
+    ],
+)
+def test_auto_choice_dense(backend, n, d, want):
+    operator, x0 = _operator("dense", n)
+    assert choose_method(operator, x0, d, backend) == want
+
+
+@pytest.mark.parametrize("kind", ["bcoo", "callable"])
+def test_auto_choice_sparse_and_callable_is_scan(kind):
+    operator, x0 = _operator(kind, 4)
+    assert choose_method(operator, x0, 4096) == "scan"
+
+
+def test_auto_runs_the_chosen_method():
+    A, x0 = _problem(jnp.float32, n=4)
+    assert choose_method(*as_operator(A, x0, "krylov"), 1024) == "doubling"
+    # Same jaxpr as method="doubling"; a callable goes to the scan without error.
+    jaxpr = jax.make_jaxpr(lambda A: krylovjax.krylov(A, x0, 1024))(A)
+    want = jax.make_jaxpr(lambda A: krylovjax.krylov(A, x0, 1024, method="doubling"))
+    assert str(jaxpr) == str(want(A))
+    out = jax.eval_shape(lambda A: krylovjax.krylov(lambda x: A @ x, x0, 1024), A)
+    assert out.shape == (4, 1024)
