@@ -48,9 +48,10 @@ import krylovjax  # noqa: E402
 
 METHODS = ("krylovjax", "scan", "unrolled", "concat")
 # The unrolled loop and concatenate growth trace d separate operations, and XLA's
-# compile time grows faster than linearly in d (measured at n = 8 on 2 cores: grad
-# of `unrolled` compiles in 3.6 s at d = 100 and 12 s at d = 200; grad of `concat`
-# in 18 s at d = 100 and 195 s at d = 200). Past these depths they are skipped.
+# compile time grows faster than linearly in d (at n = 8 on a loaded 2-core machine:
+# grad of `unrolled` compiled in 3.6 s at d = 100 and 12 s at d = 200; grad of
+# `concat` in 18 s at d = 100 and 195 s at d = 200). Past these depths they are
+# skipped.
 PEER_MAX_D = {"unrolled": 200, "concat": 100}
 SKIPPED = "skipped (d too large to compile in reasonable time)"
 
