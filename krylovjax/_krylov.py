@@ -12,14 +12,19 @@ and then
 - the gradient of $A$ is $\sum_{i=1}^{d-1} \lambda_i x_{i-1}^\top
   = [\lambda_1, \dots, \lambda_{d-1}] \, [x_0, \dots, x_{d-2}]^\top$.
 
-One reverse `lax.scan` writes $\lambda_1, \dots, \lambda_{d-1}$ into a single
-buffer, the output cotangent itself updated in place (row $i$ holds $\lambda_{i+1}$
-once $g_i$ has been read, the last row is zeroed), and returns $\lambda_0$ as its
-final carry. The gradient of the operator is then one batched operation on that
-buffer and the stored forward output: a single GEMM for a dense matrix, one sampled
-product for a BCOO matrix, one batched VJP for a callable (see `_operator.py`). The
-forward pass saves nothing but its own output; the operator and $x_0$ are the primal
-inputs.
+The rule covers the $d - 1$ computed vectors $x_1, \dots, x_{d-1}$; `krylov` puts
+$x_0$ in front of them outside the rule, so JAX adds $g_0$ to the gradient of $x_0$ and
+the rule returns $A^\top \lambda_1$. One reverse `lax.scan` runs the recurrence over
+$g_1, \dots, g_{d-1}$ and writes $\lambda_2, \dots, \lambda_{d-1}$ into a single
+buffer: the output cotangent itself, updated in place (row $j$ holds $\lambda_{j+2}$
+once $g_{j+1}$ has been read; the last row is zeroed). Row by row, that buffer lines up
+with the saved vectors $x_1, \dots, x_{d-1}$, so the gradient of the operator is one
+batched operation on the two buffers, without slicing either: a single GEMM for a dense
+matrix, one sampled product for a BCOO matrix, one batched VJP for a callable (see
+`_operator.py`), plus the one remaining pair $\lambda_1 x_0^\top$. The forward pass
+saves nothing but its own output; the operator and $x_0$ are the primal inputs. Saved
+output and adjoint buffer thus have $d - 1$ rows each, the same as the residuals and
+cotangents of plain autodiff through the scan.
 
 The transpose is JAX's convention for complex numbers too: the rule computes the
 vector-Jacobian product (plain transpose, no conjugation), exactly what autodiff
@@ -152,61 +157,70 @@ def krylov(
     elif method == "doubling":
         xs = krylov_doubling(dense_matrix(operator), x0, d)
     elif adjoint == "custom_vjp":
-        xs = _krylov_custom_vjp((operator, x0), d)
+        tail = _krylov_tail_custom_vjp((operator, x0), d)
+        xs = jnp.concatenate([x0[None], tail])
     else:
         xs = krylov_scan(operator, x0, d)
     return xs if layout == "rows" else jnp.moveaxis(xs, 0, 1)
 
 
 def krylov_scan(operator: AbstractOperator, x0: Array, d: int) -> Array:
-    """The forward pass: one `lax.scan`, vectors stacked on a new leading axis.
+    """The forward pass: `x0` followed by `krylov_tail`, stacked on a new first axis."""
+    return jnp.concatenate([x0[None], krylov_tail(operator, x0, d - 1)])
 
-    The scan writes every vector straight into one `(d, ...)` buffer that it
-    carries (updated in place), so no concatenation copies the result afterwards.
-    """
-    xs = jnp.zeros((d, *x0.shape), x0.dtype)
-    xs = lax.dynamic_update_index_in_dim(xs, x0, 0, 0)
 
-    def step(carry, _):
-        # The slot index is carried rather than scanned over, so that no index
-        # array of length d is allocated.
-        k, x, xs = carry
+def krylov_tail(operator: AbstractOperator, x0: Array, steps: int) -> Array:
+    r"""$[A x_0, \dots, A^{s} x_0]$ for $s$ = `steps`, by one `lax.scan`."""
+
+    def step(x, _):
         y = operator.mv(x)
-        return (k + 1, y, lax.dynamic_update_index_in_dim(xs, y, k, 0)), None
+        return y, y
 
-    (_, _, xs), _ = lax.scan(step, (1, x0, xs), length=d - 1)
-    return xs
+    _, tail = lax.scan(step, x0, length=steps)
+    return tail
 
 
 @eqx.filter_custom_vjp
-def _krylov_custom_vjp(vjp_arg: tuple[AbstractOperator, Array], d: int) -> Array:
+def _krylov_tail_custom_vjp(vjp_arg: tuple[AbstractOperator, Array], d: int) -> Array:
+    # The rule covers x_1, ..., x_(d-1) only; `krylov` puts x0 in front outside of
+    # it. JAX then adds the cotangent of that first slot to the gradient of x0, and
+    # the saved output and the adjoint buffer both have d - 1 rows, not d.
     operator, x0 = vjp_arg
-    return krylov_scan(operator, x0, d)
+    return krylov_tail(operator, x0, d - 1)
 
 
-@_krylov_custom_vjp.def_fwd
+@_krylov_tail_custom_vjp.def_fwd
 def _krylov_fwd(perturbed, vjp_arg, d):
     del perturbed
-    xs = _krylov_custom_vjp.fn(vjp_arg, d)
-    return xs, xs
+    tail = _krylov_tail_custom_vjp.fn(vjp_arg, d)
+    return tail, tail
 
 
-@_krylov_custom_vjp.def_bwd
-def _krylov_bwd(xs, g, perturbed, vjp_arg, d):
+@_krylov_tail_custom_vjp.def_bwd
+def _krylov_bwd(tail, g_tail, perturbed, vjp_arg, d):
     operator, x0 = vjp_arg
     operator_perturbed, _ = perturbed
-    if g is None:
-        g = jnp.zeros_like(xs)
-    lam_shifted, lam0 = adjoint_scan(operator, g)
+    if g_tail is None:
+        g_tail = jnp.zeros_like(tail)
+    # With lam_i the adjoint of x_i: lam_shifted = [lam_2, ..., lam_(d-1), 0] and
+    # lam_1, the adjoint recurrence run over the tail's cotangents.
+    lam_shifted, lam1 = adjoint_scan(operator, g_tail)
+    grad_x0 = operator.transpose(x0)(lam1)
     if any(jtu.tree_leaves(operator_perturbed)):
-        # sum_{i<d-1} lam_{i+1} x_i^T; the last row of `lam_shifted` is zero, so the
-        # whole of `xs` is used and neither buffer is sliced (a slice is a copy).
-        grad_operator = operator.param_vjp(xs, lam_shifted)
+        # sum_(i=1)^(d-1) lam_i x_(i-1)^T: the pairs (lam_(j+2), x_(j+1)) line up row
+        # by row in `lam_shifted` and `tail` (the zero last row pairs with x_(d-1)),
+        # so one batched product covers them without slicing either buffer; the
+        # pair (lam_1, x_0) is added on its own.
+        grad_operator = jtu.tree_map(
+            jnp.add,
+            operator.param_vjp(tail, lam_shifted),
+            operator.param_vjp(x0[None], lam1[None]),
+        )
     else:
         grad_operator = jtu.tree_map(
             lambda _: None, eqx.filter(operator, eqx.is_inexact_array)
         )
-    return grad_operator, lam0
+    return grad_operator, grad_x0
 
 
 def adjoint_scan(operator: AbstractOperator, g: Array) -> tuple[Array, Array]:
