@@ -14,6 +14,14 @@ One reverse `lax.scan` recomputes each step's VJP from the stored state $x_k$ an
 accumulates the parameter gradient in its carry. Nothing the step computes internally
 (the hidden layer of an MLP, say) is saved between the passes, so residual memory is
 the trajectory alone, whatever the width of the step.
+
+**Forward mode.** A `custom_vjp` cannot be differentiated in forward mode, so
+`adjoint="custom_jvp"` gives the recurrence a JVP rule instead: the tangent step is
+$\dot x_{k+1} = \partial_x f(x_k) \dot x_k + \partial_\theta f(x_k) \dot\theta$,
+evaluated at the stored states by one `lax.scan`. Its body is wrapped in
+`jax.checkpoint`, so reverse mode (JAX's transposition of the rule) saves only the
+stored states and recomputes each step's linearisation, as the hand-written adjoint
+does.
 """
 
 from typing import Any, Literal, TypeVar
@@ -97,9 +105,7 @@ def iterate(
     if adjoint == "custom_vjp":
         return _iterate_custom_vjp((step, x0), d)
     if adjoint == "custom_jvp":
-        from ._forward_mode import iterate_custom_jvp
-
-        return iterate_custom_jvp(step, x0, d=d)
+        return _iterate_custom_jvp(step, x0, d=d)
     return iterate_scan(step, x0, d)
 
 
@@ -193,3 +199,45 @@ def _iterate_bwd(xs, g, perturbed, vjp_arg, d):
     if not want_params:
         acc = jtu.tree_map(lambda _: None, diff)
     return acc, lam0
+
+
+def _zeros_if_none(tangent, primal):
+    """Materialise symbolic-zero (`None`) tangents of floating-point leaves."""
+
+    def materialise(t, p):
+        if t is not None:
+            return t
+        return None if p is None else jnp.zeros_like(p)
+
+    return jtu.tree_map(materialise, tangent, primal, is_leaf=lambda t: t is None)
+
+
+@eqx.filter_custom_jvp
+def _iterate_custom_jvp(step, x0, *, d: int):
+    return iterate_scan(step, x0, d)
+
+
+@_iterate_custom_jvp.def_jvp
+def _iterate_jvp(primals, tangents, *, d):
+    step, x0 = primals
+    t_step, t_x0 = tangents
+    xs = iterate_scan(step, x0, d)
+    t_x0 = _zeros_if_none(t_x0, x0)
+    diff, static = eqx.partition(step, eqx.is_inexact_array)
+    t_diff = _zeros_if_none(eqx.filter(t_step, eqx.is_inexact_array), diff)
+
+    @jax.checkpoint
+    def tangent_step(t, x_k):
+        _, t_next = jax.jvp(
+            lambda p, x: eqx.combine(p, static)(x), (diff, x_k), (t_diff, t)
+        )
+        return t_next
+
+    def body(t, k):
+        x_k = jtu.tree_map(lambda x: x[k], xs)
+        t_next = tangent_step(t, x_k)
+        return t_next, t_next
+
+    _, t_rest = lax.scan(body, t_x0, jnp.arange(d - 1))
+    t_xs = jtu.tree_map(lambda a, b: jnp.concatenate([a[None], b]), t_x0, t_rest)
+    return xs, t_xs
