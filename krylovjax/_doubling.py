@@ -54,6 +54,7 @@ default float32 matrix product rounds to fewer bits, high powers $A^{2^k}$ would
 otherwise lose accuracy that the scan keeps.
 """
 
+import math
 from typing import Literal
 
 import equinox as eqx
@@ -155,82 +156,113 @@ def choose_method(
 
 
 # ------------------------------------------------------------------------- forward
+#
+# Everything below works on the Krylov matrix in the columns layout, flattened to
+# one (n, d*b) matrix [X_0 | A X_0 | ... | A^(d-1) X_0] for a block X_0 of b
+# columns (b = 1 for a vector x0): vector k of block column j is column k*b + j.
+# Every level is then a plain GEMM on a contiguous column range, with no transposes.
 
 
-def _apply(P: Array, xs: Array) -> Array:
-    """$P$ applied to every vector of a stack `(k, n, *b)`, as one GEMM."""
-    out = lax.dot_general(xs, P, (((1,), (1,)), ((), ())), precision=_HIGHEST)
-    return jnp.moveaxis(out, -1, 1)
+def _mm(P: Array, X: Array) -> Array:
+    return jnp.matmul(P, X, precision=_HIGHEST)
 
 
-def _apply_transpose(P: Array, xs: Array) -> Array:
-    """$P^\top$ applied to every vector of a stack `(k, n, *b)`, as one GEMM."""
-    out = lax.dot_general(xs, P, (((1,), (0,)), ((), ())), precision=_HIGHEST)
-    return jnp.moveaxis(out, -1, 1)
+def _mm_transpose(P: Array, X: Array) -> Array:
+    r"""$P^\top X$, contracting $P$'s first axis (no transposed copy of $P$)."""
+    return lax.dot_general(P, X, (((0,), (0,)), ((), ())), precision=_HIGHEST)
 
 
 def _square(P: Array) -> Array:
     return jnp.matmul(P, P, precision=_HIGHEST)
 
 
-def krylov_doubling(
-    matrix: Inexact[Array, "n n"], x0: Inexact[Array, "n ..."], d: int
-) -> Inexact[Array, "d n ..."]:
-    """The forward pass by doubling; vectors stacked on a new leading axis."""
-    xs = x0[None]
+def _flatten(x0: Array) -> Array:
+    """`x0` of shape `(n, *b)` as an `(n, prod(b))` matrix."""
+    return x0.reshape(x0.shape[0], math.prod(x0.shape[1:]))
+
+
+def _lay_out(xs: Array, x0: Array, d: int, layout: str) -> Array:
+    """The `(n, d*b)` Krylov matrix in `krylov`'s `layout`, for `x0` of `(n, *b)`."""
+    cols = xs.reshape(x0.shape[0], d, *x0.shape[1:])
+    return cols if layout == "columns" else jnp.moveaxis(cols, 1, 0)
+
+
+def _forward_columns(
+    matrix: Inexact[Array, "n n"], x0: Inexact[Array, "n b"], d: int
+) -> Inexact[Array, "n d*b"]:
+    """The forward pass by doubling on the flattened columns layout."""
+    n, b = x0.shape
+    xs = jnp.zeros((n, d * b), x0.dtype).at[:, :b].set(x0)
     power = matrix
-    while xs.shape[0] < d:
-        k = xs.shape[0]
-        xs = jnp.concatenate([xs, _apply(power, xs[: min(k, d - k)])])
-        if 2 * k < d:
+    k = 1
+    while k < d:
+        m = min(k, d - k)
+        xs = xs.at[:, k * b : (k + m) * b].set(_mm(power, xs[:, : m * b]))
+        k += m
+        if k < d:
             power = _square(power)
     return xs
 
 
-def adjoint_doubling(
-    matrix: Inexact[Array, "n n"], g: Inexact[Array, "d n ..."]
-) -> Inexact[Array, "d n ..."]:
-    r"""All adjoint vectors $[\lambda_0, \dots, \lambda_{d-1}]$ by a suffix scan.
+def krylov_doubling(
+    matrix: Inexact[Array, "n n"],
+    x0: Inexact[Array, "n ..."],
+    d: int,
+    layout: Literal["columns", "rows"] = "columns",
+) -> Inexact[Array, "..."]:
+    """The forward pass by doubling, differentiated by JAX, laid out by `layout`."""
+    return _lay_out(_forward_columns(matrix, _flatten(x0), d), x0, d, layout)
 
+
+def adjoint_doubling(
+    matrix: Inexact[Array, "n n"], g: Inexact[Array, "n d*b"], b: int = 1
+) -> Inexact[Array, "n d*b"]:
+    r"""All adjoint vectors $[\lambda_0 | \dots | \lambda_{d-1}]$ by a suffix scan.
+
+    `g` and the result are in the flattened columns layout, `b` columns a vector.
     Uses the work-efficient tree scan when the $\lceil \log_2 d \rceil$ powers it
     keeps alive fit in twice the memory of the buffer and one matrix, and the
     Hillis-Steele scan (one power alive at a time) otherwise.
     """
-    d, n = g.shape[0], g.shape[1]
+    n = g.shape[0]
+    d = g.shape[1] // b
     levels = max(d - 1, 1).bit_length()
     if n * n * levels <= 2 * (g.size + n * n):
-        return _suffix_scan_tree(matrix, g)
-    return _suffix_scan_hillis_steele(matrix, g)
+        return _suffix_scan_tree(matrix, g, b)
+    return _suffix_scan_hillis_steele(matrix, g, b)
 
 
-def _suffix_scan_hillis_steele(matrix: Array, g: Array) -> Array:
-    d = g.shape[0]
+def _suffix_scan_hillis_steele(matrix: Array, g: Array, b: int = 1) -> Array:
+    d = g.shape[1] // b
     lam = g
     power = matrix
     shift = 1
     while shift < d:
-        lam = lam.at[: d - shift].add(_apply_transpose(power, lam[shift:]))
+        update = _mm_transpose(power, lam[:, shift * b :])
+        lam = lam.at[:, : (d - shift) * b].add(update)
         shift *= 2
         if shift < d:
             power = _square(power)
     return lam
 
 
-def _suffix_scan_tree(matrix: Array, g: Array) -> Array:
+def _suffix_scan_tree(matrix: Array, g: Array, b: int = 1) -> Array:
+    n = g.shape[0]
     # Up-sweep: pair neighbouring blocks of size s into blocks of size 2s, with
     # block value B = B_left + (A^s)^T B_right; keep every right block and power.
+    # `level` is (n, number of blocks, b).
     powers, rights, sizes = [], [], []
-    level = g
+    level = g.reshape(n, -1, b)
     power = matrix
-    while level.shape[0] > 1:
-        sizes.append(level.shape[0])
-        if level.shape[0] % 2:
-            level = jnp.concatenate([level, jnp.zeros_like(level[:1])])
-        right = level[1::2]
+    while level.shape[1] > 1:
+        sizes.append(level.shape[1])
+        if level.shape[1] % 2:
+            level = jnp.concatenate([level, jnp.zeros_like(level[:, :1])], axis=1)
+        right = level[:, 1::2]
         powers.append(power)
         rights.append(right)
-        level = level[0::2] + _apply_transpose(power, right)
-        if level.shape[0] > 1:
+        level = level[:, 0::2] + _mm_transpose(power, right)
+        if level.shape[1] > 1:
             power = _square(power)
     # Down-sweep: lam at the start of a right child is its block value plus
     # (A^s)^T lam at the start of the next parent block; left children inherit.
@@ -238,39 +270,51 @@ def _suffix_scan_tree(matrix: Array, g: Array) -> Array:
     for power, right, size in zip(
         reversed(powers), reversed(rights), reversed(sizes), strict=True
     ):
-        following = jnp.concatenate([lam[1:], jnp.zeros_like(lam[:1])])
-        lam_right = right + _apply_transpose(power, following)
-        lam = jnp.stack([lam, lam_right], axis=1).reshape(-1, *lam.shape[1:])
-        lam = lam[:size]
-    return lam
+        following = jnp.concatenate([lam[:, 1:], jnp.zeros_like(lam[:, :1])], axis=1)
+        lam_right = right + _mm_transpose(power, following)
+        lam = jnp.stack([lam, lam_right], axis=2).reshape(n, -1, b)
+        lam = lam[:, :size]
+    return lam.reshape(n, -1)
 
 
 @eqx.filter_custom_vjp
-def krylov_doubling_custom_vjp(
-    vjp_arg: tuple[AbstractOperator, Array], d: int
-) -> Array:
+def _doubling_columns(vjp_arg: tuple[AbstractOperator, Array], d: int) -> Array:
     operator, x0 = vjp_arg
-    return krylov_doubling(dense_matrix(operator), x0, d)
+    return _forward_columns(dense_matrix(operator), x0, d)
 
 
-@krylov_doubling_custom_vjp.def_fwd
+@_doubling_columns.def_fwd
 def _doubling_fwd(perturbed, vjp_arg, d):
     del perturbed
-    xs = krylov_doubling_custom_vjp.fn(vjp_arg, d)
+    xs = _doubling_columns.fn(vjp_arg, d)
     return xs, xs
 
 
-@krylov_doubling_custom_vjp.def_bwd
+@_doubling_columns.def_bwd
 def _doubling_bwd(xs, g, perturbed, vjp_arg, d):
-    operator, _ = vjp_arg
+    operator, x0 = vjp_arg
     operator_perturbed, _ = perturbed
+    b = x0.shape[1]
     if g is None:
         g = jnp.zeros_like(xs)
-    lam = adjoint_doubling(dense_matrix(operator), g)
+    lam = adjoint_doubling(dense_matrix(operator), g, b)
     if any(jtu.tree_leaves(operator_perturbed)):
-        grad_operator = operator.param_vjp(xs[:-1], lam[1:])
+        # sum_k lam_(k+1) x_k^T as one GEMM over contiguous column ranges, passed
+        # as a stack of one (1, n, (d-1)*b) input to the operator's own rule.
+        grad_operator = operator.param_vjp(xs[None, :, :-b], lam[None, :, b:])
     else:
         grad_operator = jtu.tree_map(
             lambda _: None, eqx.filter(operator, eqx.is_inexact_array)
         )
-    return grad_operator, lam[0]
+    return grad_operator, lam[:, :b]
+
+
+def krylov_doubling_custom_vjp(
+    vjp_arg: tuple[AbstractOperator, Array],
+    d: int,
+    layout: Literal["columns", "rows"] = "columns",
+) -> Array:
+    """The forward pass by doubling with its own reverse pass, laid out by `layout`."""
+    operator, x0 = vjp_arg
+    xs = _doubling_columns((operator, _flatten(x0)), d)
+    return _lay_out(xs, x0, d, layout)

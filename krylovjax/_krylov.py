@@ -136,9 +136,9 @@ def krylov(
     if d == 1:
         xs = x0[None]
     elif method == "doubling" and adjoint == "custom_vjp":
-        xs = krylov_doubling_custom_vjp((operator, x0), d)
+        return krylov_doubling_custom_vjp((operator, x0), d, layout)
     elif method == "doubling":
-        xs = krylov_doubling(dense_matrix(operator), x0, d)
+        return krylov_doubling(dense_matrix(operator), x0, d, layout)
     elif adjoint == "custom_vjp":
         tail = krylov_tail_custom_vjp((operator, x0), d)
         xs = jnp.concatenate([x0[None], tail])
