@@ -78,7 +78,14 @@ class DenseOperator(AbstractOperator):
     def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
         # sum_k ct_k x_k^T: contract the stack axis and any block axis in one GEMM.
         axes = (0, *range(2, xs.ndim))
-        grad = lax.dot_general(cts, xs, ((axes, axes), ((), ())))
+        # `out_sharding`: on an explicit mesh, a contraction over a sharded axis (a
+        # sharded block of x0) must be told where the result lives: with the matrix.
+        grad = lax.dot_general(
+            cts,
+            xs,
+            ((axes, axes), ((), ())),
+            out_sharding=jax.typeof(self.matrix).sharding,
+        )
         return _cotangent(DenseOperator(grad))
 
 

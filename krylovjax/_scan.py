@@ -49,6 +49,7 @@ only residuals are the forward output and the operator.
 """
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
@@ -66,7 +67,7 @@ def krylov_tail(operator: AbstractOperator, x0: Array, steps: int) -> Array:
     r"""$[A x_0, \dots, A^{s} x_0]$ for $s$ = `steps`, by one `lax.scan`."""
 
     def step(x, _):
-        y = operator.mv(x)
+        y = keep_sharding(operator.mv(x), x)
         return y, y
 
     _, tail = lax.scan(step, x0, length=steps)
@@ -98,7 +99,7 @@ def _krylov_bwd(tail, g_tail, perturbed, vjp_arg, d):
     # With lam_i the adjoint of x_i: lam_shifted = [lam_2, ..., lam_(d-1), 0] and
     # lam_1, the adjoint recurrence run over the tail's cotangents.
     lam_shifted, lam1 = adjoint_scan(operator, g_tail)
-    grad_x0 = operator.transpose(x0)(lam1)
+    grad_x0 = keep_sharding(operator.transpose(x0)(lam1), x0)
     if any(jtu.tree_leaves(operator_perturbed)):
         # sum_(i=1)^(d-1) lam_i x_(i-1)^T: the pairs (lam_(j+2), x_(j+1)) line up row
         # by row in `lam_shifted` and `tail` (the zero last row pairs with x_(d-1)),
@@ -133,7 +134,7 @@ def adjoint_scan(operator: AbstractOperator, g: Array) -> tuple[Array, Array]:
     def step(carry, _):
         k, lam_next, lam = carry
         lam_k = lax.dynamic_index_in_dim(lam, k, 0, keepdims=False)
-        lam_k = lam_k + transpose_mv(lam_next)
+        lam_k = keep_sharding(lam_k + transpose_mv(lam_next), lam_next)
         # `0 * lam_k` makes the write below depend on the read above, so XLA orders
         # them and updates the buffer in place instead of copying it every step.
         # (It changes a row only when lam_k is already inf or nan.)
@@ -166,7 +167,7 @@ def _krylov_jvp(primals, tangents, *, d):
 
     def step(t, r_k):
         t_next = operator.mv(t) if r_k is None else operator.mv(t) + r_k
-        return t_next, t
+        return keep_sharding(t_next, t), t
 
     # d steps that emit the tangent before updating it: the stacked output is the
     # whole tangent trajectory, so under transposition the output cotangent feeds the
@@ -174,3 +175,16 @@ def _krylov_jvp(primals, tangents, *, d):
     # last update is not needed; it costs one matrix-vector product.
     _, t_xs = lax.scan(step, t_x0, r, length=d)
     return xs, t_xs
+
+
+def keep_sharding(y: Array, like: Array) -> Array:
+    """Give `y` the sharding type of `like`; a no-op unless the mesh is `Explicit`.
+
+    On an explicit-sharding mesh the sharding is part of an array's type, so a scan
+    carry must keep it: `A @ x` for a row-sharded `A` is typed row-sharded even when
+    `x` is replicated.
+    """
+    sharding = jax.typeof(like).sharding
+    if jax.typeof(y).sharding == sharding:
+        return y
+    return jax.sharding.reshard(y, sharding)

@@ -7,7 +7,7 @@ starts. It prints one JSON line: a list of records, one per
     mesh axis type ("auto", "explicit")
     x operands ("rows": A row-sharded, x0 of shape (n,) replicated;
                 "batch": A replicated, x0 of shape (n, b) sharded along b)
-    x layout ("columns", "rows") x adjoint ("custom_vjp", "autodiff").
+    x layout ("columns", "rows") x adjoint ("custom_vjp", "custom_jvp", "autodiff").
 
 Each record holds the largest relative differences between the sharded and the
 single-device computation (forward, gradient of A, gradient of x0), the output's
@@ -36,7 +36,7 @@ N, B, D = 16, 4, 6
 MESHES = ("auto", "explicit")
 OPERANDS = ("rows", "batch")
 LAYOUTS = ("columns", "rows")
-ADJOINTS = ("custom_vjp", "autodiff")
+ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
 
 
 def _problem(operands: str) -> tuple[jax.Array, jax.Array, P, P]:

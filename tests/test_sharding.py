@@ -24,22 +24,8 @@ SCRIPT = pathlib.Path(__file__).with_name("_sharding_script.py")
 MESHES = ("auto", "explicit")
 OPERANDS = ("rows", "batch")
 LAYOUTS = ("columns", "rows")
-ADJOINTS = ("custom_vjp", "autodiff")
+ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
 RTOL = 1e-12
-
-# On an `Explicit` mesh the shardings are part of the array types, and `krylov`
-# does not yet keep them consistent: the scan carry `A @ x` of a row-sharded `A` is
-# typed `x`-sharded while `x0` is replicated, and the custom adjoint's GEMM for the
-# gradient of `A` contracts over a sharded batch axis without an `out_sharding`.
-EXPLICIT_SHARDING_BROKEN = {
-    ("explicit", "rows", "columns", "custom_vjp"),
-    ("explicit", "rows", "columns", "autodiff"),
-    ("explicit", "rows", "rows", "custom_vjp"),
-    ("explicit", "rows", "rows", "autodiff"),
-    ("explicit", "batch", "columns", "custom_vjp"),
-    ("explicit", "batch", "rows", "custom_vjp"),
-}
-
 
 @pytest.fixture(scope="module")
 def records() -> dict[tuple[str, str, str, str], dict]:
@@ -68,13 +54,7 @@ def _cases():
             for layout in LAYOUTS:
                 for adjoint in ADJOINTS:
                     case = (mesh, operands, layout, adjoint)
-                    marks = []
-                    if case in EXPLICIT_SHARDING_BROKEN:
-                        reason = (
-                            "krylov breaks explicit-sharding types (scan carry/GEMM)"
-                        )
-                        marks = [pytest.mark.xfail(reason=reason, strict=True)]
-                    yield pytest.param(*case, marks=marks, id="-".join(case))
+                    yield pytest.param(*case, id="-".join(case))
 
 
 @pytest.mark.parametrize("mesh,operands,layout,adjoint", list(_cases()))
