@@ -4,18 +4,48 @@ The references are written independently of the library: a plain Python loop and
 plain `lax.scan`, both differentiated by JAX's own rules.
 """
 
+import itertools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import pytest
 from jax import lax
 from jax.experimental import sparse
 
-METHODS = ("scan",)
+METHODS = ("scan", "doubling")
+ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
 LAYOUTS = ("columns", "rows")
 DTYPES = (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128)
-KINDS = ("dense", "bcoo", "closure", "module", "method")
+MATRIX_KINDS = ("dense", "bcoo")
+CALLABLE_KINDS = ("closure", "module", "method")
+KINDS = MATRIX_KINDS + CALLABLE_KINDS
+
+
+def supported(method="scan", kind="dense", adjoint="custom_vjp", **_):
+    """Whether `krylov` accepts this combination (doubling: matrices, no custom_jvp)."""
+    if method == "doubling":
+        return kind in MATRIX_KINDS and adjoint != "custom_jvp"
+    return True
+
+
+def grid(**axes):
+    """`pytest.mark.parametrize` over the product of `axes`, supported cases only.
+
+    Unsupported combinations (see `supported`) are not generated at all; the
+    errors they raise are tested in test_errors.py.
+    """
+    names = list(axes)
+    rows = [
+        row
+        for row in itertools.product(*axes.values())
+        if supported(**dict(zip(names, row, strict=True)))
+    ]
+    if len(names) == 1:
+        rows = [row[0] for row in rows]
+    return pytest.mark.parametrize(",".join(names), rows)
 
 
 def tol(dtype):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import METHODS
+from helpers import CALLABLE_KINDS, MATRIX_KINDS, METHODS, make_operator
 from jax.experimental import sparse
 
 import krylovjax
@@ -167,6 +167,22 @@ def _call(fn, d):
 def test_krylov_unknown_option(method, option, value):
     with pytest.raises(ValueError, match=_m(f"`krylov({option}=...)` must be one of")):
         _krylov(method, **{option: value})
+
+
+@pytest.mark.parametrize("kind", CALLABLE_KINDS)
+def test_krylov_doubling_needs_a_matrix(kind):
+    params, build = make_operator(kind, A)
+    msg = "`krylov(method='doubling')` needs a dense or BCOO matrix `A`; got a callable"
+    with pytest.raises(ValueError, match=_m(msg)):
+        _krylov("doubling", A=build(params))
+
+
+@pytest.mark.parametrize("kind", MATRIX_KINDS)
+def test_krylov_doubling_with_custom_jvp(kind):
+    params, build = make_operator(kind, A)
+    msg = "`krylov(adjoint='custom_jvp')` is available with `method='scan'`; got "
+    with pytest.raises(ValueError, match=_m(msg + "`method='doubling'`")):
+        _krylov("doubling", A=build(params), adjoint="custom_jvp")
 
 
 @pytest.mark.parametrize("value", ["lanczos", "SCAN", None])

@@ -21,6 +21,9 @@ from jax.test_util import check_grads
 import krylovjax
 
 D = 4
+ADJOINTS = ("custom_vjp", "custom_jvp")
+# Forward mode raises for a custom_vjp (see test_transforms.py).
+MODES = {"custom_vjp": ["rev"], "custom_jvp": ["fwd", "rev"]}
 
 
 def _vjps(fs, args, key):
@@ -70,10 +73,11 @@ def _python_loop(step, x0, d):
 # ---------------------------------------------------------------------- values
 
 
+@pytest.mark.parametrize("adjoint", ADJOINTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_values_pytree_state(dtype):
+def test_values_pytree_state(adjoint, dtype):
     step, state = _coupled(dtype)
-    xs = jax.jit(lambda s, x: krylovjax.iterate(s, x, D))(step, state)
+    xs = jax.jit(lambda s, x: krylovjax.iterate(s, x, D, adjoint=adjoint))(step, state)
     assert xs["x"].shape == (D, 3) and xs["y"].shape == (D, 2, 3)
     assert xs["x"].dtype == dtype
     assert_trees_close(xs, _python_loop(step, state, D), **tol(dtype))
@@ -107,20 +111,24 @@ def test_vjp_pytree_state_against_scan_autodiff(dtype):
         lambda s, x: krylovjax.iterate(s, x, D),
         lambda s, x: iterate_scan_reference(s, x, D),
         lambda s, x: krylovjax.iterate(s, x, D, adjoint="autodiff"),
+        lambda s, x: krylovjax.iterate(s, x, D, adjoint="custom_jvp"),
     ]
-    (out, grads), (out_ref, grads_ref), (_, grads_autodiff) = _vjps(
-        fs, (step, state), jr.key(1)
+    (out, grads), (out_ref, grads_ref), (_, grads_autodiff), (out_jvp, grads_jvp) = (
+        _vjps(fs, (step, state), jr.key(1))
     )
     assert_trees_close(out, out_ref, **tol(dtype))
+    assert_trees_close(out_jvp, out_ref, **tol(dtype))
     assert_trees_close(grads, grads_ref, **tol(dtype))
     assert_trees_close(grads, grads_autodiff, **tol(dtype))
+    assert_trees_close(grads_jvp, grads_ref, **tol(dtype))
 
 
-def test_vjp_mlp_against_scan_autodiff():
+@pytest.mark.parametrize("adjoint", ADJOINTS)
+def test_vjp_mlp_against_scan_autodiff(adjoint):
     mlp = MLP(jr.key(0), state=3, width=6)
     x0 = random_array(jr.key(1), (3,), jnp.float64)
     fs = [
-        lambda m, x: krylovjax.iterate(m, x, D),
+        lambda m, x: krylovjax.iterate(m, x, D, adjoint=adjoint),
         lambda m, x: iterate_scan_reference(m, x, D),
     ]
     (out, grads), (out_ref, grads_ref) = _vjps(fs, (mlp, x0), jr.key(2))
@@ -130,20 +138,44 @@ def test_vjp_mlp_against_scan_autodiff():
         assert np.any(leaf != 0)
 
 
-def test_grads_mlp_finite_differences():
+@pytest.mark.parametrize("adjoint", ADJOINTS)
+def test_grads_mlp_finite_differences(adjoint):
     mlp = MLP(jr.key(0), state=3, width=4)
     x0 = random_array(jr.key(1), (3,), jnp.float64)
-    f = jax.jit(lambda m, x: krylovjax.iterate(m, x, 3))
-    check_grads(f, (mlp, x0), order=2, modes=["rev"])
+    f = jax.jit(lambda m, x: krylovjax.iterate(m, x, 3, adjoint=adjoint))
+    check_grads(f, (mlp, x0), order=2, modes=MODES[adjoint])
 
 
-def test_grads_pytree_state_finite_differences():
+@pytest.mark.parametrize("adjoint", ADJOINTS)
+def test_grads_pytree_state_finite_differences(adjoint):
     step, state = _coupled(jnp.float64, seed=3)
-    f = jax.jit(lambda s, x: krylovjax.iterate(s, x, 3))
-    check_grads(f, (step, state), order=2, modes=["rev"])
+    f = jax.jit(lambda s, x: krylovjax.iterate(s, x, 3, adjoint=adjoint))
+    check_grads(f, (step, state), order=2, modes=MODES[adjoint])
 
 
-def test_grads_closure_over_traced_array():
+def test_jvp_pytree_state_with_custom_jvp():
+    # Tangents of the step's arrays and of every state leaf at once.
+    step, state = _coupled(jnp.float64)
+    tangents = random_like(jr.key(4), (step, state))
+
+    @jax.jit
+    def jvps(args, tangents):
+        return [
+            jax.jvp(f, args, tangents)
+            for f in (
+                lambda s, x: krylovjax.iterate(s, x, D, adjoint="custom_jvp"),
+                lambda s, x: iterate_scan_reference(s, x, D),
+            )
+        ]
+
+    (out, t_out), (out_ref, t_ref) = jvps((step, state), tangents)
+    assert_trees_close(out, out_ref, **tol(jnp.float64))
+    assert_trees_close(t_out, t_ref, **tol(jnp.float64))
+    assert all(np.any(t != 0) for t in jax.tree.leaves(t_out))
+
+
+@pytest.mark.parametrize("adjoint", ADJOINTS)
+def test_grads_closure_over_traced_array(adjoint):
     # The step closes over an array created inside the differentiated function.
     x0 = random_array(jr.key(1), (3,), jnp.float64)
     w = random_matrix(jr.key(2), 3, jnp.float64)
@@ -151,7 +183,7 @@ def test_grads_closure_over_traced_array():
     def loss(fn, w, x0):
         return jnp.sum(fn(lambda x: jnp.sin(w @ x), x0, D) ** 2)
 
-    lib = lambda s, x, d: krylovjax.iterate(s, x, d)  # noqa: E731
+    lib = lambda s, x, d: krylovjax.iterate(s, x, d, adjoint=adjoint)  # noqa: E731
     grads = jax.jit(jax.grad(lambda w, x: loss(lib, w, x), (0, 1)))(w, x0)
     expected = jax.jit(
         jax.grad(lambda w, x: loss(iterate_scan_reference, w, x), (0, 1))
@@ -159,14 +191,15 @@ def test_grads_closure_over_traced_array():
     assert_trees_close(grads, expected, **tol(jnp.float64))
 
 
-def test_only_some_inputs_differentiated():
+@pytest.mark.parametrize("adjoint", ADJOINTS)
+def test_only_some_inputs_differentiated(adjoint):
     # Gradient of the step only, and of one state leaf only.
     step, state = _coupled(jnp.float64)
 
     def loss(fn):
         return lambda s, x: sum(jnp.sum(v**2) for v in jax.tree.leaves(fn(s, x, D)))
 
-    lib = lambda s, x, d: krylovjax.iterate(s, x, d)  # noqa: E731
+    lib = lambda s, x, d: krylovjax.iterate(s, x, d, adjoint=adjoint)  # noqa: E731
 
     @jax.jit
     def grads(step, state):
@@ -178,9 +211,10 @@ def test_only_some_inputs_differentiated():
     assert_trees_close(*grads(step, state), **tol(jnp.float64))
 
 
-def test_vjp_accepts_numpy_cotangent():
+@pytest.mark.parametrize("adjoint", ADJOINTS)
+def test_vjp_accepts_numpy_cotangent(adjoint):
     step, state = _coupled(jnp.float64)
-    out, vjp = jax.vjp(lambda x: krylovjax.iterate(step, x, D), state)
+    out, vjp = jax.vjp(lambda x: krylovjax.iterate(step, x, D, adjoint=adjoint), state)
     ct = jax.tree.map(np.asarray, random_like(jr.key(0), out))
     _, vjp_ref = jax.vjp(lambda x: iterate_scan_reference(step, x, D), state)
     assert_trees_close(vjp(ct), vjp_ref(ct), **tol(jnp.float64))
@@ -189,9 +223,12 @@ def test_vjp_accepts_numpy_cotangent():
 # ---------------------------------------------------------------------- memory
 
 
-def test_custom_vjp_saves_less_memory_than_autodiff():
+@pytest.mark.parametrize("adjoint", ADJOINTS)
+def test_custom_rule_saves_less_memory_than_autodiff(adjoint):
     # A wide hidden layer: autodiff through the scan saves every step's hidden
-    # activations; the hand-written adjoint saves only the trajectory.
+    # activations; the hand-written rules save only the trajectory (custom_jvp:
+    # its tangent step is checkpointed, so the transposed scan recomputes each
+    # step's linearisation instead of saving it).
     state, width, d = 8, 512, 64
     mlp = MLP(jr.key(0), state=state, width=width, dtype=jnp.float32)
     x0 = random_array(jr.key(1), (state,), jnp.float32)
@@ -206,9 +243,27 @@ def test_custom_vjp_saves_less_memory_than_autodiff():
             pytest.skip("memory_analysis() returns None on this backend")
         return stats.temp_size_in_bytes
 
-    custom, autodiff = temp_bytes("custom_vjp"), temp_bytes("autodiff")
+    custom, autodiff = temp_bytes(adjoint), temp_bytes("autodiff")
     # Autodiff keeps at least (d - 1) hidden layers of `width` float32 values.
     hidden = (d - 1) * width * 4
     assert autodiff >= hidden
     assert custom < hidden / 4
     assert 4 * custom < autodiff
+
+
+# ------------------------------------------------- the custom rule really runs
+
+
+@pytest.mark.parametrize("adjoint", ["custom_vjp", "custom_jvp", "autodiff"])
+def test_custom_rule_in_jaxpr(adjoint):
+    # Equinox's `filter_custom_vjp` wraps its rule in a `custom_jvp` of its own, so
+    # a custom_vjp shows both primitives; a custom_jvp shows only `custom_jvp_call`.
+    step, state = _coupled(jnp.float32)
+    f = lambda s, x: krylovjax.iterate(s, x, D, adjoint=adjoint)  # noqa: E731
+    names = {eqn.primitive.name for eqn in jax.make_jaxpr(f)(step, state).jaxpr.eqns}
+    if adjoint == "autodiff":
+        assert not any(name.startswith("custom_") for name in names), names
+    elif adjoint == "custom_vjp":
+        assert "custom_vjp_call" in names, names
+    else:
+        assert "custom_jvp_call" in names and "custom_vjp_call" not in names, names

@@ -6,12 +6,14 @@ import jax.random as jr
 import numpy as np
 import pytest
 from helpers import (
+    ADJOINTS,
     DTYPES,
     KINDS,
     LAYOUTS,
     METHODS,
     as_mv,
     assert_trees_close,
+    grid,
     krylov_loop,
     krylov_scan_reference,
     make_operator,
@@ -37,15 +39,17 @@ def _problem(dtype, block=None, n=N, seed=0):
 # ---------------------------------------------------------------------- values
 
 
-@pytest.mark.parametrize("method", METHODS)
+@grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_values_dense(method, dtype, layout):
+def test_values_dense(method, adjoint, dtype, layout):
     # Blocks are covered with values in test_vjp_layouts_and_blocks_*.
     A, x0 = _problem(dtype)
     X = jax.jit(
-        krylovjax.krylov, static_argnums=2, static_argnames=("layout", "method")
-    )(A, x0, D, layout=layout, method=method)
+        krylovjax.krylov,
+        static_argnums=2,
+        static_argnames=("layout", "method", "adjoint"),
+    )(A, x0, D, layout=layout, method=method, adjoint=adjoint)
     expected = krylov_loop(lambda x: A @ x, x0, D, layout)
     shape = (N, D) if layout == "columns" else (D, N)
     assert X.shape == shape + x0.shape[1:]
@@ -53,16 +57,15 @@ def test_values_dense(method, dtype, layout):
     assert_trees_close(X, expected, **tol(dtype))
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_values_operator_kinds_block(method, kind):
+@grid(method=METHODS, kind=KINDS, adjoint=("custom_vjp", "custom_jvp"))
+def test_values_operator_kinds_block(method, kind, adjoint):
     # Single vectors are covered with values in test_vjp_operator_kinds_*.
     A, x0 = _problem(jnp.float64, block=2)
     params, build = make_operator(kind, A)
 
     @jax.jit
     def both(params, x0):
-        X = krylovjax.krylov(build(params), x0, D, method=method)
+        X = krylovjax.krylov(build(params), x0, D, method=method, adjoint=adjoint)
         return X, krylov_loop(as_mv(build(params)), x0, D)
 
     X, expected = both(params, x0)
@@ -171,14 +174,13 @@ def _vjps(fs, params, x0, key):
     return run(params, x0, ct)
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind", KINDS)
+@grid(method=METHODS, kind=KINDS, adjoint=("custom_vjp", "custom_jvp"))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex128])
-def test_vjp_operator_kinds_against_scan_autodiff(method, kind, dtype):
+def test_vjp_operator_kinds_against_scan_autodiff(method, kind, adjoint, dtype):
     A, x0 = _problem(dtype)
     params, build = make_operator(kind, A)
     fs = [
-        _krylov_fn(build, method),
+        _krylov_fn(build, method, adjoint),
         _reference_fn(build),
         _krylov_fn(build, method, "autodiff"),
     ]
@@ -193,35 +195,40 @@ def test_vjp_operator_kinds_against_scan_autodiff(method, kind, dtype):
         assert np.all(np.isfinite(leaf)) and np.any(leaf != 0)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("block", [3])
-def test_vjp_layouts_and_blocks_against_scan_autodiff(method, dtype, layout, block):
-    A, x0 = _problem(dtype, block)
+def test_vjp_layouts_and_blocks_against_scan_autodiff(method, adjoint, dtype, layout):
+    A, x0 = _problem(dtype, block=3)
     build = lambda p: p  # noqa: E731
-    fs = [_krylov_fn(build, method, layout=layout), _reference_fn(build, layout)]
+    fs = [
+        _krylov_fn(build, method, adjoint, layout=layout),
+        _reference_fn(build, layout),
+    ]
     (out, grads), (out_ref, grads_ref) = _vjps(fs, A, x0, jr.key(11))
     assert_trees_close(out, out_ref, **tol(dtype))
     assert_trees_close(grads, grads_ref, **tol(dtype))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_vjp_accepts_numpy_cotangent(method, layout):
+def test_vjp_accepts_numpy_cotangent(method, adjoint, layout):
     # With layout="rows" the cotangent reaches the reverse pass unconverted, so a
     # NumPy cotangent must not be indexed by a traced step counter.
     A, x0 = _problem(jnp.float64)
-    f = _krylov_fn(lambda p: p, method, layout=layout)
+    f = _krylov_fn(lambda p: p, method, adjoint, layout=layout)
     out, vjp = jax.vjp(f, A, x0)
     ct = np.asarray(random_array(jr.key(4), out.shape, out.dtype))
     _, expected = jax.vjp(_reference_fn(lambda p: p, layout), A, x0)
     assert_trees_close(vjp(ct), expected(jnp.asarray(ct)), **tol(jnp.float64))
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind", ["dense", "closure", "module"])
-def test_grad_of_one_argument(method, kind):
+@grid(
+    method=METHODS,
+    kind=["dense", "closure", "module"],
+    adjoint=("custom_vjp", "custom_jvp"),
+)
+def test_grad_of_one_argument(method, kind, adjoint):
     # Differentiating only x0 (operator not perturbed) or only the operator.
     A, x0 = _problem(jnp.float64)
     params, build = make_operator(kind, A)
@@ -230,7 +237,7 @@ def test_grad_of_one_argument(method, kind):
     def loss(f):
         return lambda p, x: jnp.sum(ct * f(p, x))
 
-    f, ref = _krylov_fn(build, method), _reference_fn(build)
+    f, ref = _krylov_fn(build, method, adjoint), _reference_fn(build)
     for argnums in (0, 1):
         assert_trees_close(
             jax.jit(jax.grad(loss(f), argnums))(params, x0),
@@ -239,29 +246,40 @@ def test_grad_of_one_argument(method, kind):
         )
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind", ["dense", "bcoo", "method"])
-def test_grads_finite_differences(method, kind):
+# Forward mode raises for a custom_vjp (see test_transforms.py), so only its reverse
+# mode is checked; custom_jvp must pass both.
+MODES = {"custom_vjp": ["rev"], "custom_jvp": ["fwd", "rev"], "autodiff": ["rev"]}
+
+
+@grid(
+    method=METHODS,
+    kind=["dense", "bcoo", "method"],
+    adjoint=("custom_vjp", "custom_jvp"),
+)
+def test_grads_finite_differences(method, kind, adjoint):
     # "closure" and "module" reach the same code path as "method" (a callable).
     A, x0 = _problem(jnp.float64, n=4)
     params, build = make_operator(kind, A)
-    f = jax.jit(_krylov_fn(build, method, d=3))
-    check_grads(f, (params, x0), order=2, modes=["rev"])
+    f = jax.jit(_krylov_fn(build, method, adjoint, d=3))
+    check_grads(f, (params, x0), order=2, modes=MODES[adjoint])
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_grads_finite_differences_complex_block(method):
+@grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
+def test_grads_finite_differences_complex_block(method, adjoint):
     A, x0 = _problem(jnp.complex128, block=2, n=3)
-    f = jax.jit(_krylov_fn(lambda p: p, method, layout="columns", d=3))
-    check_grads(f, (A, x0), order=2, modes=["rev"])
+    f = jax.jit(_krylov_fn(lambda p: p, method, adjoint, layout="columns", d=3))
+    check_grads(f, (A, x0), order=2, modes=MODES[adjoint])
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_sum_loss_closed_form(method):
+@grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
+def test_sum_loss_closed_form(method, adjoint):
     # The motivating case: n = 3, d = 10, loss = sum of the Krylov matrix.
     n, d = 3, 10
     A, x0 = _problem(jnp.float64, n=n, seed=1)
-    loss = lambda A, x0: krylovjax.krylov(A, x0, d, method=method).sum()  # noqa: E731
+
+    def loss(A, x0):
+        return krylovjax.krylov(A, x0, d, method=method, adjoint=adjoint).sum()
+
     grad_A, grad_x0 = jax.grad(loss, argnums=(0, 1))(A, x0)
 
     An, xn = np.asarray(A, np.float64), np.asarray(x0, np.float64)
@@ -284,14 +302,15 @@ def test_sum_loss_closed_form(method):
 # ------------------------------------------------- the custom rule really runs
 
 
-def test_custom_rule_runs_numerically():
-    # float32, moderately sized: the hand-written adjoint sums in a different order
+@pytest.mark.parametrize("adjoint", ["custom_vjp", "custom_jvp"])
+def test_custom_rule_runs_numerically(adjoint):
+    # float32, moderately sized: the hand-written rule sums in a different order
     # than autodiff through the scan, so the results agree but are not bitwise equal.
     n, d = 48, 24
     A, x0 = _problem(jnp.float32, n=n, seed=2)
     build = lambda p: p  # noqa: E731
     fs = [
-        _krylov_fn(build, "scan", d=d),
+        _krylov_fn(build, "scan", adjoint, d=d),
         _krylov_fn(build, "scan", "autodiff", d=d),
     ]
     (_, custom), (_, autodiff) = _vjps(fs, A, x0, jr.key(3))
@@ -299,13 +318,16 @@ def test_custom_rule_runs_numerically():
     assert not all(np.array_equal(a, b) for a, b in zip(custom, autodiff, strict=True))
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_custom_rule_in_jaxpr(method):
+@grid(method=METHODS, adjoint=ADJOINTS)
+def test_custom_rule_in_jaxpr(method, adjoint):
+    # Equinox's `filter_custom_vjp` wraps its rule in a `custom_jvp` of its own, so
+    # a custom_vjp shows both primitives; a custom_jvp shows only `custom_jvp_call`.
     A, x0 = _problem(jnp.float32)
-    names = {}
-    for adjoint in ("custom_vjp", "autodiff"):
-        f = _krylov_fn(lambda p: p, method, adjoint)
-        jaxpr = jax.make_jaxpr(f)(A, x0).jaxpr
-        names[adjoint] = {eqn.primitive.name for eqn in jaxpr.eqns}
-    assert "custom_vjp_call" in names["custom_vjp"]
-    assert not any("custom_vjp" in name for name in names["autodiff"])
+    f = _krylov_fn(lambda p: p, method, adjoint)
+    names = {eqn.primitive.name for eqn in jax.make_jaxpr(f)(A, x0).jaxpr.eqns}
+    if adjoint == "autodiff":
+        assert not any(name.startswith("custom_") for name in names), names
+    elif adjoint == "custom_vjp":
+        assert "custom_vjp_call" in names, names
+    else:
+        assert "custom_jvp_call" in names and "custom_vjp_call" not in names, names

@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import jax.random as jr
 import pytest
 from helpers import (
+    KINDS,
     METHODS,
     MLP,
     as_mv,
     assert_trees_close,
+    grid,
     iterate_scan_reference,
     krylov_scan_reference,
     make_operator,
@@ -75,25 +77,28 @@ def _krylov_fns(build, method, adjoint="custom_vjp"):
     return lib, ref
 
 
-def _check(transform, kind, method):
+def _check(transform, kind, method, adjoint):
     p, ps, build = _params(kind)
     x, xs = _x0()
-    lib, ref = _krylov_fns(build, method)
+    lib, ref = _krylov_fns(build, method, adjoint)
     apply = jax.jit(TRANSFORMS[transform], static_argnums=0)
     assert_trees_close(apply(lib, p, ps, x, xs), apply(ref, p, ps, x, xs), **TOL)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
-def test_krylov_transforms_dense(method, transform):
-    _check(transform, "dense", method)
+def test_krylov_transforms_dense(method, adjoint, transform):
+    _check(transform, "dense", method, adjoint)
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kind", ["bcoo", "closure", "module", "method"])
+@grid(
+    method=METHODS,
+    kind=["bcoo", "closure", "module", "method"],
+    adjoint=("custom_vjp", "custom_jvp"),
+)
 @pytest.mark.parametrize("transform", ["vmap_both", "grad_grad"])
-def test_krylov_transforms_operator_kinds(method, kind, transform):
-    _check(transform, kind, method)
+def test_krylov_transforms_operator_kinds(method, kind, adjoint, transform):
+    _check(transform, kind, method, adjoint)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -114,13 +119,23 @@ FORWARD = {
 }
 
 
-@pytest.mark.parametrize("method", METHODS)
+@grid(method=METHODS, adjoint=("custom_jvp", "autodiff"))
 @pytest.mark.parametrize("mode", list(FORWARD))
-def test_krylov_forward_mode_with_autodiff(method, mode):
+def test_krylov_forward_mode(method, adjoint, mode):
     p, _, build = _params("dense")
     x, _ = _x0()
-    lib, ref = _krylov_fns(build, method, adjoint="autodiff")
+    lib, ref = _krylov_fns(build, method, adjoint)
     apply = jax.jit(FORWARD[mode], static_argnums=0)
+    assert_trees_close(apply(lib, p, x), apply(ref, p, x), **TOL)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_krylov_forward_mode_custom_jvp_operator_kinds(kind):
+    # jacfwd with respect to every array the operator holds and to x0.
+    p, _, build = _params(kind)
+    x, _ = _x0()
+    lib, ref = _krylov_fns(build, "scan", "custom_jvp")
+    apply = jax.jit(FORWARD["jacfwd"], static_argnums=0)
     assert_trees_close(apply(lib, p, x), apply(ref, p, x), **TOL)
 
 
@@ -154,6 +169,9 @@ def _mlps():
     return mlps[0], _stack(mlps[1:])
 
 
+ITERATE_ADJOINTS = ("custom_vjp", "custom_jvp")
+
+
 def _iterate_fns(adjoint="custom_vjp"):
     def lib(m, x):
         return krylovjax.iterate(m, x, D, adjoint=adjoint).T
@@ -164,13 +182,14 @@ def _iterate_fns(adjoint="custom_vjp"):
     return lib, ref
 
 
+@pytest.mark.parametrize("adjoint", ITERATE_ADJOINTS)
 @pytest.mark.parametrize(
     "transform", ["jit", "vmap_x0", "vmap_both", "grad", "vmap_grad", "grad_grad"]
 )
-def test_iterate_transforms(transform):
+def test_iterate_transforms(adjoint, transform):
     m, ms = _mlps()
     x, xs = _x0()
-    lib, ref = _iterate_fns()
+    lib, ref = _iterate_fns(adjoint)
     apply = jax.jit(TRANSFORMS[transform], static_argnums=0)
     assert_trees_close(apply(lib, m, ms, x, xs), apply(ref, m, ms, x, xs), **TOL)
 
@@ -182,11 +201,12 @@ ITERATE_FORWARD = {
 }
 
 
+@pytest.mark.parametrize("adjoint", ["custom_jvp", "autodiff"])
 @pytest.mark.parametrize("mode", list(ITERATE_FORWARD))
-def test_iterate_forward_mode_with_autodiff(mode):
+def test_iterate_forward_mode(adjoint, mode):
     m, _ = _mlps()
     x, _ = _x0()
-    lib, ref = _iterate_fns(adjoint="autodiff")
+    lib, ref = _iterate_fns(adjoint)
     apply = jax.jit(ITERATE_FORWARD[mode], static_argnums=0)
     assert_trees_close(apply(lib, m, x), apply(ref, m, x), **TOL)
 
