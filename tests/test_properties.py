@@ -6,6 +6,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from helpers import (
+    ADJOINTS,
     DTYPES,
     LAYOUTS,
     METHODS,
@@ -15,10 +16,11 @@ from helpers import (
     krylov_scan_reference,
     random_array,
     random_matrix,
+    supported,
     tol,
     x0_shape,
 )
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 import krylovjax
 
@@ -28,18 +30,28 @@ depths = st.integers(1, 5)
 layouts = st.sampled_from(LAYOUTS)
 dtypes = st.sampled_from(DTYPES)
 seeds = st.integers(0, 2**16)
+adjoints = st.sampled_from(ADJOINTS)
 
 
 @pytest.mark.parametrize("method", METHODS)
 @settings(max_examples=15, deadline=None)
-@given(n=sizes, b=blocks, d=depths, layout=layouts, dtype=dtypes, seed=seeds)
-def test_krylov_values_and_vjp(method, n, b, d, layout, dtype, seed):
+@given(
+    n=sizes,
+    b=blocks,
+    d=depths,
+    layout=layouts,
+    dtype=dtypes,
+    adjoint=adjoints,
+    seed=seeds,
+)
+def test_krylov_values_and_vjp(method, n, b, d, layout, dtype, adjoint, seed):
+    assume(supported(method=method, adjoint=adjoint))
     ka, kx, kc = jr.split(jr.key(seed), 3)
     A = random_matrix(ka, n, dtype)
     x0 = random_array(kx, x0_shape(n, b), dtype)
 
     def lib(A, x0):
-        return krylovjax.krylov(A, x0, d, layout=layout, method=method)
+        return krylovjax.krylov(A, x0, d, layout=layout, adjoint=adjoint, method=method)
 
     def ref(A, x0):
         return krylov_scan_reference(lambda x: A @ x, x0, d, layout)
@@ -62,8 +74,8 @@ def test_krylov_values_and_vjp(method, n, b, d, layout, dtype, seed):
 
 
 @settings(max_examples=10, deadline=None)
-@given(n=sizes, d=depths, dtype=dtypes, seed=seeds)
-def test_iterate_pytree_vjp(n, d, dtype, seed):
+@given(n=sizes, d=depths, dtype=dtypes, adjoint=adjoints, seed=seeds)
+def test_iterate_pytree_vjp(n, d, dtype, adjoint, seed):
     kw, kx, ky, kc = jr.split(jr.key(seed), 4)
     w = random_matrix(kw, n, dtype)
     state = {"x": random_array(kx, (n,), dtype), "y": random_array(ky, (2,), dtype)}
@@ -72,7 +84,7 @@ def test_iterate_pytree_vjp(n, d, dtype, seed):
         return {"x": jnp.sin(w @ s["x"]) + s["y"][0], "y": jnp.tanh(s["y"] * s["x"][0])}
 
     def lib(w, s):
-        return krylovjax.iterate(lambda t: step(w, t), s, d)
+        return krylovjax.iterate(lambda t: step(w, t), s, d, adjoint=adjoint)
 
     def ref(w, s):
         return iterate_scan_reference(lambda t: step(w, t), s, d)
