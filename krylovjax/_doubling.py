@@ -187,20 +187,33 @@ def _lay_out(xs: Array, x0: Array, d: int, layout: str) -> Array:
     return cols if layout == "columns" else jnp.moveaxis(cols, 1, 0)
 
 
+def _levels(d: int) -> list[tuple[int, int]]:
+    """`(k, m)` for every doubling level: `m` new vectors appended after `k`."""
+    levels, k = [], 1
+    while k < d:
+        m = min(k, d - k)
+        levels.append((k, m))
+        k += m
+    return levels
+
+
+def _powers(matrix: Array, d: int) -> list[Array]:
+    r"""$A^k$ for every level of `_levels(d)`: $A, A^2, A^4, \dots$."""
+    powers = []
+    for i in range(len(_levels(d))):
+        powers.append(matrix if i == 0 else _square(powers[-1]))
+    return powers
+
+
 def _forward_columns(
     matrix: Inexact[Array, "n n"], x0: Inexact[Array, "n b"], d: int
 ) -> Inexact[Array, "n d*b"]:
     """The forward pass by doubling on the flattened columns layout."""
-    n, b = x0.shape
-    xs = jnp.zeros((n, d * b), x0.dtype).at[:, :b].set(x0)
-    power = matrix
-    k = 1
-    while k < d:
-        m = min(k, d - k)
-        xs = xs.at[:, k * b : (k + m) * b].set(_mm(power, xs[:, : m * b]))
-        k += m
-        if k < d:
-            power = _square(power)
+    b = x0.shape[1]
+    xs = x0
+    for power, (_, m) in zip(_powers(matrix, d), _levels(d), strict=True):
+        # Concatenation measured faster than writing into a preallocated buffer.
+        xs = jnp.concatenate([xs, _mm(power, xs[:, : m * b])], axis=1)
     return xs
 
 
@@ -215,24 +228,70 @@ def krylov_doubling(
 
 
 def adjoint_doubling(
-    matrix: Inexact[Array, "n n"], g: Inexact[Array, "n d*b"], b: int = 1
-) -> Inexact[Array, "n d*b"]:
-    r"""All adjoint vectors $[\lambda_0 | \dots | \lambda_{d-1}]$ by a suffix scan.
+    matrix: Inexact[Array, "n n"],
+    xs: Inexact[Array, "n d*b"],
+    g: Inexact[Array, "n d*b"],
+    b: int,
+    matrix_grad: bool = True,
+) -> tuple[Inexact[Array, "n b"], Inexact[Array, "n n"] | None]:
+    r"""The reverse pass: the gradients of $x_0$ and of the dense matrix $A$.
 
-    `g` and the result are in the flattened columns layout, `b` columns a vector.
-    Uses the work-efficient tree scan when the $\lceil \log_2 d \rceil$ powers it
-    keeps alive fit in twice the memory of the buffer and one matrix, and the
-    Hillis-Steele scan (one power alive at a time) otherwise.
+    `xs` (the forward output) and its cotangent `g` are in the flattened columns
+    layout, `b` columns a vector. Transposes the forward levels when the
+    $\lceil \log_2 d \rceil$ powers fit in twice the memory of the buffer and one
+    matrix, and uses the Hillis-Steele scan (one power alive at a time) otherwise.
+    The matrix gradient is `None` unless `matrix_grad`.
     """
     n = g.shape[0]
     d = g.shape[1] // b
-    levels = max(d - 1, 1).bit_length()
-    if n * n * levels <= 2 * (g.size + n * n):
-        return _suffix_scan_tree(matrix, g, b)
-    return _suffix_scan_hillis_steele(matrix, g, b)
+    if n * n * len(_levels(d)) <= 2 * (g.size + n * n):
+        return _reverse_levels(matrix, xs, g, b, matrix_grad)
+    lam = _suffix_scan_hillis_steele(matrix, g, b)
+    grad_matrix = None
+    if matrix_grad:
+        # sum_k lam_(k+1) x_k^T as one GEMM over contiguous column ranges.
+        grad_matrix = lax.dot_general(
+            lam[:, b:], xs[:, :-b], (((1,), (1,)), ((), ())), precision=_HIGHEST
+        )
+    return lam[:, :b], grad_matrix
+
+
+def _reverse_levels(
+    matrix: Array, xs: Array, g: Array, b: int, matrix_grad: bool
+) -> tuple[Array, Array | None]:
+    # Level (k, m) computed X[:, k:k+m] = P X[:, :m] with P = A^k; its transpose
+    # adds P^T C[:, k:k+m] to the cotangent C[:, :m] and P's cotangent gains
+    # C[:, k:k+m] X[:, :m]^T. P = Q^2 for the previous level's Q passes a
+    # cotangent G to Q as G Q^T + Q^T G.
+    d = g.shape[1] // b
+    ct = g
+    grad_power = None
+    levels = _levels(d)
+    powers = _powers(matrix, d)
+    for i in reversed(range(len(levels))):
+        k, m = levels[i]
+        power = powers[i]
+        out = ct[:, k * b : (k + m) * b]
+        head = ct[:, : m * b] + _mm_transpose(power, out)
+        ct = head if m == k else jnp.concatenate([head, ct[:, m * b : k * b]], axis=1)
+        if matrix_grad:
+            grad = lax.dot_general(
+                out, xs[:, : m * b], (((1,), (1,)), ((), ())), precision=_HIGHEST
+            )
+            if grad_power is not None:
+                # The next level's power is this one squared.
+                grad = grad + lax.dot_general(
+                    grad_power, power, (((1,), (1,)), ((), ())), precision=_HIGHEST
+                )
+                grad = grad + _mm_transpose(power, grad_power)
+            grad_power = grad
+    if matrix_grad and grad_power is None:
+        grad_power = jnp.zeros_like(matrix)
+    return ct[:, :b], grad_power
 
 
 def _suffix_scan_hillis_steele(matrix: Array, g: Array, b: int = 1) -> Array:
+    r"""All $\lambda_i = \sum_{j \ge i} (A^\top)^{j-i} g_j$, columns layout."""
     d = g.shape[1] // b
     lam = g
     power = matrix
@@ -244,37 +303,6 @@ def _suffix_scan_hillis_steele(matrix: Array, g: Array, b: int = 1) -> Array:
         if shift < d:
             power = _square(power)
     return lam
-
-
-def _suffix_scan_tree(matrix: Array, g: Array, b: int = 1) -> Array:
-    n = g.shape[0]
-    # Up-sweep: pair neighbouring blocks of size s into blocks of size 2s, with
-    # block value B = B_left + (A^s)^T B_right; keep every right block and power.
-    # `level` is (n, number of blocks, b).
-    powers, rights, sizes = [], [], []
-    level = g.reshape(n, -1, b)
-    power = matrix
-    while level.shape[1] > 1:
-        sizes.append(level.shape[1])
-        if level.shape[1] % 2:
-            level = jnp.concatenate([level, jnp.zeros_like(level[:, :1])], axis=1)
-        right = level[:, 1::2]
-        powers.append(power)
-        rights.append(right)
-        level = level[:, 0::2] + _mm_transpose(power, right)
-        if level.shape[1] > 1:
-            power = _square(power)
-    # Down-sweep: lam at the start of a right child is its block value plus
-    # (A^s)^T lam at the start of the next parent block; left children inherit.
-    lam = level
-    for power, right, size in zip(
-        reversed(powers), reversed(rights), reversed(sizes), strict=True
-    ):
-        following = jnp.concatenate([lam[:, 1:], jnp.zeros_like(lam[:, :1])], axis=1)
-        lam_right = right + _mm_transpose(power, following)
-        lam = jnp.stack([lam, lam_right], axis=2).reshape(n, -1, b)
-        lam = lam[:, :size]
-    return lam.reshape(n, -1)
 
 
 @eqx.filter_custom_vjp
@@ -294,19 +322,21 @@ def _doubling_fwd(perturbed, vjp_arg, d):
 def _doubling_bwd(xs, g, perturbed, vjp_arg, d):
     operator, x0 = vjp_arg
     operator_perturbed, _ = perturbed
-    b = x0.shape[1]
     if g is None:
         g = jnp.zeros_like(xs)
-    lam = adjoint_doubling(dense_matrix(operator), g, b)
-    if any(jtu.tree_leaves(operator_perturbed)):
-        # sum_k lam_(k+1) x_k^T as one GEMM over contiguous column ranges, passed
-        # as a stack of one (1, n, (d-1)*b) input to the operator's own rule.
-        grad_operator = operator.param_vjp(xs[None, :, :-b], lam[None, :, b:])
+    matrix_grad = any(jtu.tree_leaves(operator_perturbed))
+    grad_x0, grad_matrix = adjoint_doubling(
+        dense_matrix(operator), xs, g, x0.shape[1], matrix_grad
+    )
+    diff, static = eqx.partition(operator, eqx.is_inexact_array)
+    if matrix_grad:
+        # Through `dense_matrix`: the matrix itself, or for a BCOO matrix its
+        # stored values (the dense gradient sampled at the stored indices).
+        _, vjp = jax.vjp(lambda diff: dense_matrix(eqx.combine(diff, static)), diff)
+        (grad_operator,) = vjp(grad_matrix)
     else:
-        grad_operator = jtu.tree_map(
-            lambda _: None, eqx.filter(operator, eqx.is_inexact_array)
-        )
-    return grad_operator, lam[:, :b]
+        grad_operator = jtu.tree_map(lambda _: None, diff)
+    return grad_operator, grad_x0
 
 
 def krylov_doubling_custom_vjp(

@@ -22,8 +22,8 @@ from jax.test_util import check_grads
 import krylovjax
 from krylovjax import _doubling
 from krylovjax._doubling import (
+    _reverse_levels,
     _suffix_scan_hillis_steele,
-    _suffix_scan_tree,
     adjoint_doubling,
     choose_method,
 )
@@ -85,21 +85,41 @@ def test_dtype_promotion():
 
 @pytest.mark.parametrize("d", [1, 2, 3, 5, 8, 13])
 @pytest.mark.parametrize("block", [None, 2])
-def test_suffix_scans_match_the_recurrence(d, block):
-    # Both parallel schemes against lam_i = g_i + A^T lam_(i+1), for every d mod 4.
+def test_suffix_scan_matches_the_recurrence(d, block):
+    # Hillis-Steele against lam_i = g_i + A^T lam_(i+1), for every d mod 4.
     A, _ = _problem(jnp.float64)
     g = random_array(jr.key(1), (d, *x0_shape(N, block)), jnp.float64)
     lams = [g[-1]]
     for k in range(d - 2, -1, -1):
         lams.insert(0, g[k] + A.T @ lams[0])
-    # The scans work on the flattened columns layout (n, d*b), b columns a vector.
+    # The scan works on the flattened columns layout (n, d*b), b columns a vector.
     b = 1 if block is None else block
     want = jnp.moveaxis(jnp.stack(lams), 0, 1).reshape(N, d * b)
     g = jnp.moveaxis(g, 0, 1).reshape(N, d * b)
-    tree = jax.jit(_suffix_scan_tree, static_argnums=2)(A, g, b)
     hillis_steele = jax.jit(_suffix_scan_hillis_steele, static_argnums=2)(A, g, b)
-    assert_trees_close(tree, want, **tol(jnp.float64))
     assert_trees_close(hillis_steele, want, **tol(jnp.float64))
+
+
+@pytest.mark.parametrize("d", [2, 3, 5, 8, 13])
+@pytest.mark.parametrize("block", [None, 2])
+def test_reverse_schemes_match_the_scan_vjp(d, block):
+    # Both reverse schemes (transposed levels, Hillis-Steele + one GEMM) against
+    # the scan's VJP with respect to A and x0, for every d mod 4.
+    A, x0 = _problem(jnp.float64, block)
+    b = 1 if block is None else block
+    want_x, vjp = jax.vjp(
+        lambda A, x0: krylovjax.krylov(A, x0, d, method="scan"), A, x0
+    )
+    ct = random_array(jr.key(2), want_x.shape, jnp.float64)
+    want_A, want_x0 = vjp(ct)
+    xs = want_x.reshape(N, d * b)
+    g = ct.reshape(N, d * b)
+    levels = jax.jit(_reverse_levels, static_argnums=(3, 4))(A, xs, g, b, True)
+    lam = jax.jit(_suffix_scan_hillis_steele, static_argnums=2)(A, g, b)
+    hillis_steele = (lam[:, :b], lam[:, b:] @ xs[:, :-b].T)
+    for grad_x0, grad_A in (levels, hillis_steele):
+        assert_trees_close(grad_x0.reshape(x0.shape), want_x0, **tol(jnp.float64))
+        assert_trees_close(grad_A, want_A, **tol(jnp.float64))
 
 
 def test_adjoint_picks_a_scheme_by_memory():
@@ -116,16 +136,16 @@ def test_adjoint_picks_a_scheme_by_memory():
     A = random_matrix(jr.key(0), 12, jnp.float64)
     g = random_array(jr.key(1), (12, 5), jnp.float64)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_doubling, "_suffix_scan_tree", spy("tree", _suffix_scan_tree))
+        mp.setattr(_doubling, "_reverse_levels", spy("levels", _reverse_levels))
         mp.setattr(
             _doubling,
             "_suffix_scan_hillis_steele",
             spy("hillis_steele", _suffix_scan_hillis_steele),
         )
-        # 3 powers of 12 x 12 > 2 (5 * 12 + 12 * 12): Hillis-Steele; then the tree.
-        jax.eval_shape(lambda A, g: adjoint_doubling(A, g), A, g)
-        jax.eval_shape(lambda A, g: adjoint_doubling(A, g), A[:4, :4], g[:4])
-    assert calls == ["hillis_steele", "tree"]
+        # 3 powers of 12 x 12 > 2 (5 * 12 + 12 * 12): Hillis-Steele; then levels.
+        jax.eval_shape(lambda A, g: adjoint_doubling(A, g, g, 1), A, g)
+        jax.eval_shape(lambda A, g: adjoint_doubling(A, g, g, 1), A[:4, :4], g[:4])
+    assert calls == ["hillis_steele", "levels"]
 
 
 def _vjp_pair(kind, dtype, d, block, layout="columns", n=N, seed=0):
