@@ -13,37 +13,38 @@ $n \times n \times n$ plus $n^2 d$ work spread over the levels; every product is
 large GEMM, so the method pays off when $A$ is small and $d$ is large, where the
 sequential scan is dominated by per-step overhead.
 
-The reverse pass (its own `equinox.filter_custom_vjp`) is parallel in time too. The
-adjoint recurrence $\lambda_{d-1} = g_{d-1}$, $\lambda_i = g_i + A^\top \lambda_{i+1}$
-has the closed form $\lambda_i = \sum_{j \ge i} (A^\top)^{j-i} g_j$, a suffix scan with
-a constant matrix, solved in $O(\log d)$ levels of batched products on the
-$(d, n)$ buffer. Two schemes are used:
+Everything works on the Krylov matrix in the columns layout flattened to one
+$(n, d b)$ matrix $[X_0 \mid A X_0 \mid \dots]$ for a block $X_0$ of $b$ columns,
+so every level is one GEMM $P X_{[:, :m]}$ on a contiguous column range, appended
+by concatenation; `layout="rows"` transposes once at the end.
 
-- the work-efficient tree scan (Blelloch): an up-sweep combines neighbouring blocks
-  of length $s$ into blocks of length $2s$ with value
-  $B = B_\text{left} + (A^s)^\top B_\text{right}$, for $s = 1, 2, 4, \dots$; a
-  down-sweep then sets $\lambda$ at the start of every right block to its value plus
-  $(A^s)^\top$ times $\lambda$ at the start of the following block. About $2 n^2 d$
-  work, but the $\lceil \log_2 d \rceil$ powers $A^s$ stay alive between the
-  sweeps. It is used whenever they take at most twice the memory of the buffer plus
-  one matrix, which covers every problem where doubling is fast ($d \gg n$);
-- otherwise the Hillis-Steele scan,
-  $\lambda \leftarrow g$, then $\lambda_i \leftarrow \lambda_i + (A^s)^\top
-  \lambda_{i+s}$ ($i + s < d$) for $s = 1, 2, 4, \dots$: after the step with shift
-  $s$, $\lambda_i$ holds the first $2s$ terms of its sum. Only one power is alive at a
-  time; its $n^2 d \log_2 d$ work is then at most $\tfrac12 \log_2 d$ times the
-  $n^3 \log_2 d$ cost of the powers, which dominate anyway.
+The reverse pass (its own `equinox.filter_custom_vjp`) is parallel in time too:
 
-Either way, the powers $A^s$ are recomputed by squaring in the reverse pass rather
-than saved by the forward pass, and memory stays $O(n d + n^2)$. Then, exactly as
-for the scan,
+- when the $\lceil \log_2 d \rceil$ powers $A, A^2, A^4, \dots$ fit in twice the
+  memory of the buffer plus one matrix (every problem where doubling is fast,
+  $d \gg n$), it transposes the forward levels, last first. Level $(k, m)$ computed
+  $X_{[:, k:k+m]} = P X_{[:, :m]}$ with $P = A^k$; its transpose adds
+  $P^\top C_{[:, k:k+m]}$ to the cotangent $C_{[:, :m]}$, and $P$'s cotangent
+  $G$ gains $C_{[:, k:k+m]} X_{[:, :m]}^\top$; since $P = Q^2$ for the previous
+  level's $Q$, $Q$'s cotangent gains $G Q^\top + Q^\top G$. About $2 n^2 d$ work
+  in contiguous GEMMs plus $3 n^3 \log_2 d$ for the powers. The gradient of $x_0$
+  is what is left of $C$, its first $b$ columns; the gradient of $A$ is the
+  cotangent of the first power.
+- otherwise it solves the adjoint recurrence $\lambda_{d-1} = g_{d-1}$,
+  $\lambda_i = g_i + A^\top \lambda_{i+1}$, whose closed form
+  $\lambda_i = \sum_{j \ge i} (A^\top)^{j-i} g_j$ is a suffix scan with a constant
+  matrix, by the Hillis-Steele scan: $\lambda \leftarrow g$, then
+  $\lambda_i \leftarrow \lambda_i + (A^s)^\top \lambda_{i+s}$ ($i + s < d$) for
+  $s = 1, 2, 4, \dots$, one contiguous GEMM per step with only one power alive at a
+  time. Then, exactly as for the scan, the gradient of $x_0$ is $\lambda_0$ and the
+  gradient of $A$ is one GEMM $[\lambda_1 | \dots | \lambda_{d-1}] \,
+  [x_0 | \dots | x_{d-2}]^\top$ (block columns contracted too).
 
-- the gradient of $x_0$ is $\lambda_0$;
-- the gradient of $A$ is one GEMM $[\lambda_1, \dots, \lambda_{d-1}] \,
-  [x_0, \dots, x_{d-2}]^\top$ (any block axis of $x_0$ contracted too), or, for a
-  BCOO matrix, that product sampled at the stored indices.
-
-Residuals are the forward output and the operator.
+Either way the powers are recomputed by squaring in the reverse pass rather than
+saved by the forward pass, and memory stays $O(n d + n^2)$ (the first scheme's
+$n^2 \log_2 d$ is at most twice that by its condition). For a BCOO matrix the
+gradient of $A$ is taken through the densification, i.e. the dense gradient
+sampled at the stored indices. Residuals are the forward output and the operator.
 
 A BCOO matrix is densified (`A.todense()`) for the products, since $A^2, A^4, \dots$
 fill in after a few levels; only the gradient of its stored values is sparse.
