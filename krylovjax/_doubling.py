@@ -94,36 +94,35 @@ def dense_matrix(operator: AbstractOperator) -> Inexact[Array, "n n"]:
 # ----------------------------------------------------------------------- selection
 
 # `method="auto"` picks "doubling" for a dense matrix when `d >= min_depth` for the
-# first row `(max_n, min_depth)` of `_MIN_DEPTH` with `n <= max_n` (`None`: never),
-# and "scan" otherwise, including every BCOO matrix and callable. Measured with
+# first row `(max_n, min_depth)` of `_MIN_DEPTH` with `n <= max_n`, and "scan"
+# otherwise, including every n > 256, every BCOO matrix and callable. Measured with
 #   python benchmarks/bench_methods.py
-#   python benchmarks/bench_methods.py --ns 32 64 256 --ds 512 1024 4096 \
+#   python benchmarks/bench_methods.py --ns 4 16 32 64 128 256 --ds 512 1024 4096 \
 #       --skip-accuracy --repeats 15 --out benchmarks/results_methods/focus
 # (2 shared CPU cores, float32, jit(value_and_grad) of sum(krylov(A, x0, d) * W)
-# with respect to A and x0, x0 of shape (n,), median of interleaved repeats).
-# time(scan) / time(doubling), > 1 where doubling is faster, one value per run
-# (the machine is shared, so runs disagree by up to 50%):
+# with respect to A and x0, x0 of shape (n,), default layout "columns", median of
+# interleaved repeats). time(scan) / time(doubling), > 1 where doubling is faster,
+# one value per run (the machine is shared, so runs disagree by up to 30%):
 #
-#   n \ d    16          128         512         1024              4096
-#   4       0.68, 0.49  0.48, 0.65              1.09, 0.97, 0.96  1.63, 1.61, 1.54
-#   16      0.95, 1.05  0.89, 1.03              1.76, 1.70, 1.73  1.35, 1.28, 1.64
-#   32                              1.12, 1.18  1.12, 1.15        1.08, 1.42
-#   64      0.35, 0.48  0.48, 0.49  0.80, 0.82  0.75, 0.73, 0.79  0.75, 0.83, 0.97
-#   256     0.14, 0.11  0.38, 0.27  0.39, 0.62  0.72, 1.08, 1.14  1.39, 0.88, 1.39
-#   1024    0.05, 0.05  0.14, 0.16              0.39, 0.42, 0.35  (not run)
+#   n \ d    16    128   512         1024        4096
+#   4       0.40  0.52  0.69        1.03, 1.07  2.46, 2.40
+#   16      0.74  0.85  1.75        2.46, 2.50  3.02, 3.04
+#   32                  1.48        2.13        2.12
+#   64      0.31  0.28  1.21        1.43, 1.35  1.40, 1.63
+#   128                 0.63        0.98        1.68
+#   256     0.13  0.27  0.41        0.55, 0.57  1.06, 1.07
+#   1024    0.04  0.14              0.40        (not run)
 #
-# (n = 256, d = 4096 in two more runs: 0.94 and 1.13.) Doubling does about
-# 4 n^2 d work (forward, tree scan up and down, one GEMM) against the scan's
-# 3 n^2 d, plus n^3 log2(d) for the powers, so it wins only where the scan's
-# steps are too small to run efficiently (n <= 32, d >= 1024) or where each step
-# streams the matrix from outside the fastest cache (n = 256, d = 4096, median
-# ratio 1.25 over six runs; at d = 1024 the runs split, and the scan is kept).
-# n = 64 never wins. The same table is used for every dtype, block size and
-# backend: only CPU float32 with x0 of shape (n,) was measured. On a GPU, where
-# each scan step costs a kernel launch, the crossover is expected at smaller d,
-# which this table does not exploit. The latest full tables, with accuracy and
-# memory, are in benchmarks/results_methods/.
-_MIN_DEPTH: tuple[tuple[int, int | None], ...] = ((32, 1024), (128, None), (256, 4096))
+# Doubling does about 3 n^2 d work (forward, transposed levels: P^T C and C X^T
+# per level) against the scan's 3 n^2 d, plus about 4 n^3 log2(d) for the powers
+# and their cotangents, all in large GEMMs; it wins once d is large enough for
+# the scan's per-step overhead to dominate and n small enough for the n^3 term
+# not to. The same table is used for every dtype, block size and backend: only
+# CPU float32 with x0 of shape (n,) was measured. On a GPU, where each scan step
+# costs a kernel launch, the crossover is expected at smaller d, which this table
+# does not exploit. The latest full tables, with accuracy and memory, are in
+# benchmarks/results_methods/.
+_MIN_DEPTH: tuple[tuple[int, int | None], ...] = ((4, 1024), (64, 512), (256, 4096))
 
 
 def choose_method(
