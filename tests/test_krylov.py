@@ -26,6 +26,7 @@ from jax.experimental import sparse
 from jax.test_util import check_grads
 
 import krylovjax
+from krylovjax._doubling import choose_method
 from krylovjax._operator import as_operator
 
 N, D = 5, 4
@@ -330,3 +331,25 @@ def test_custom_rule_in_jaxpr(method, adjoint):
         assert "custom_vjp_call" in names, names
     else:
         assert "custom_jvp_call" in names and "custom_vjp_call" not in names, names
+
+
+def test_auto_method_with_custom_jvp_uses_scan():
+    # A small matrix and a long sequence, where "auto" picks doubling for the other
+    # adjoints; with custom_jvp it must use the scan, so forward mode works.
+    n = 4
+    A, x0 = _problem(jnp.float64, n=n, seed=4)
+    A = A / jnp.linalg.norm(A, 2)
+    operator, _ = as_operator(A, x0, "krylov")
+    depths = (64, 256, 1024, 4096)
+    d = next(d for d in depths if choose_method(operator, x0, d) == "doubling")
+
+    def f(adjoint):
+        return lambda A, x0: krylovjax.krylov(A, x0, d, method="auto", adjoint=adjoint)
+
+    names = {eqn.primitive.name for eqn in jax.make_jaxpr(f("custom_jvp"))(A, x0).eqns}
+    assert "custom_jvp_call" in names and "custom_vjp_call" not in names, names
+    tangents = (random_array(jr.key(1), A.shape, A.dtype), x0)
+    out, t_out = jax.jit(lambda *a: jax.jvp(f("custom_jvp"), a, tangents))(A, x0)
+    ref = _reference_fn(lambda p: p, d=d)
+    out_ref, t_ref = jax.jit(lambda *a: jax.jvp(ref, a, tangents))(A, x0)
+    assert_trees_close((out, t_out), (out_ref, t_ref), **tol(jnp.float64))
