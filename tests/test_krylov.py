@@ -57,15 +57,16 @@ def test_values_dense(method, dtype, layout):
     assert_trees_close(X, expected, **tol(dtype))
 
 
-@grid(method=METHODS, kind=KINDS, adjoint=("custom_vjp", "custom_jvp"))
-def test_values_operator_kinds_block(method, kind, adjoint):
-    # Single vectors are covered with values in test_vjp_operator_kinds_*.
+@grid(method=METHODS, kind=KINDS)
+def test_values_operator_kinds_block(method, kind):
+    # Single vectors, and adjoint="custom_jvp" for every kind, are covered with values
+    # in test_vjp_operator_kinds_*; custom_jvp with a block in test_vjp_layouts_*.
     A, x0 = _problem(jnp.float64, block=2)
     params, build = make_operator(kind, A)
 
     @jax.jit
     def both(params, x0):
-        X = krylovjax.krylov(build(params), x0, D, method=method, adjoint=adjoint)
+        X = krylovjax.krylov(build(params), x0, D, method=method)
         return X, krylov_loop(as_mv(build(params)), x0, D)
 
     X, expected = both(params, x0)
@@ -195,8 +196,13 @@ def test_vjp_operator_kinds_against_scan_autodiff(method, kind, adjoint, dtype):
         assert np.all(np.isfinite(leaf)) and np.any(leaf != 0)
 
 
-@grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
-@pytest.mark.parametrize("dtype", DTYPES)
+# Every dtype for the default adjoint; custom_jvp in one real and one complex dtype
+# (its float64 and complex128 gradients are also checked by finite differences).
+LAYOUT_CASES = [(method, "custom_vjp", dtype) for method in METHODS for dtype in DTYPES]
+LAYOUT_CASES += [("scan", "custom_jvp", dt) for dt in (jnp.float32, jnp.complex128)]
+
+
+@pytest.mark.parametrize(("method", "adjoint", "dtype"), LAYOUT_CASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_vjp_layouts_and_blocks_against_scan_autodiff(method, adjoint, dtype, layout):
     A, x0 = _problem(dtype, block=3)

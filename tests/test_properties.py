@@ -34,7 +34,7 @@ adjoints = st.sampled_from(ADJOINTS)
 
 
 @pytest.mark.parametrize("method", METHODS)
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     n=sizes,
     b=blocks,
