@@ -129,16 +129,16 @@ def adjoint_scan(operator: AbstractOperator, g: Array) -> tuple[Array, Array]:
     d = g.shape[0]
     transpose_mv = operator.transpose(g[0])
     lam_last = g[d - 1]
-    lam = lax.dynamic_update_index_in_dim(g, 0 * lam_last, d - 1, 0)
+    lam = lax.dynamic_update_index_in_dim(g, jnp.zeros_like(lam_last), d - 1, 0)
 
     def step(carry, _):
         k, lam_next, lam = carry
         lam_k = lax.dynamic_index_in_dim(lam, k, 0, keepdims=False)
         lam_k = keep_sharding(lam_k + transpose_mv(lam_next), lam_next)
-        # `0 * lam_k` makes the write below depend on the read above, so XLA orders
-        # them and updates the buffer in place instead of copying it every step.
-        # (It changes a row only when lam_k is already inf or nan.)
-        lam_next = lam_next + 0 * lam_k
+        # Adding `min(|lam_k|, 0)`, which is zero unless lam_k is already nan, makes
+        # the write below depend on the read above, so XLA orders them and updates
+        # the buffer in place instead of copying it every step.
+        lam_next = lam_next + jnp.minimum(jnp.abs(lam_k), 0).astype(lam_k.dtype)
         lam = lax.dynamic_update_index_in_dim(lam, lam_next, k, 0)
         return (k - 1, lam_k, lam), None
 
