@@ -15,7 +15,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
+    session.install("-e", ".[lint]")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 

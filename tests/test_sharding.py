@@ -27,6 +27,7 @@ LAYOUTS = ("columns", "rows")
 ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
 RTOL = 1e-12
 
+
 @pytest.fixture(scope="module")
 def records() -> dict[tuple[str, str, str, str], dict]:
     env = dict(os.environ)
