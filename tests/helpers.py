@@ -229,3 +229,19 @@ def assert_trees_close(a, b, **kwargs):
         assert x.shape == y.shape, (x.shape, y.shape)
         assert x.dtype == y.dtype, (x.dtype, y.dtype)
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kwargs)
+
+
+def assert_rule_in_jaxpr(closed_jaxpr, adjoint):
+    """Check which custom-derivative primitive the traced call contains.
+
+    Equinox's `filter_custom_vjp` wraps its rule in a `custom_jvp` of its own, so a
+    custom_vjp shows both primitives; a custom_jvp shows only `custom_jvp_call`; plain
+    autodiff shows neither.
+    """
+    names = {eqn.primitive.name for eqn in closed_jaxpr.jaxpr.eqns}
+    if adjoint == "autodiff":
+        assert not any(name.startswith("custom_") for name in names), names
+    elif adjoint == "custom_vjp":
+        assert "custom_vjp_call" in names, names
+    else:
+        assert "custom_jvp_call" in names and "custom_vjp_call" not in names, names
