@@ -72,7 +72,9 @@ def iterate(
     **Returns:**
 
     A pytree like `x0` whose every leaf has a new leading axis of length `d`
-    (the `lax.scan` convention).
+    (the `lax.scan` convention). Structures, shapes and dtypes are checked at trace
+    time; values are not: a `nan` or `inf` that the step produces propagates as in
+    any JAX computation.
 
     !!! Example
 

@@ -98,6 +98,9 @@ def krylov(
     **Returns:**
 
     An array with one more axis than `x0`, of length `d`, placed by `layout`.
+    Argument shapes and dtypes are checked at trace time; values are not: a `nan` or
+    `inf` in `A` or `x0`, or powers of `A` that overflow the dtype, propagate into
+    the output and gradients as in any JAX computation.
 
     !!! Example
 
