@@ -61,8 +61,8 @@ def iterate(
     - `d`: the number of states, a static Python `int >= 1` (so $d - 1$ steps).
     - `adjoint`: `"custom_vjp"` (default) uses the hand-written reverse pass, which
         saves only the returned trajectory and recomputes each step's VJP from it;
-        forward mode (`jax.jvp`, `jax.jacfwd`, `jax.hessian`) then raises a
-        `TypeError`. `"custom_jvp"` gives the recurrence a hand-written JVP rule
+        `jax.hessian` (forward over reverse) works, but `jax.jvp` and `jax.jacfwd`
+        raise a `TypeError`. `"custom_jvp"` gives the recurrence a hand-written JVP rule
         whose tangent step is checkpointed: forward mode works, and reverse mode
         (JAX's transposition of that rule) again saves only the trajectory and
         recomputes each step. `"autodiff"` differentiates the same `lax.scan` with

@@ -82,7 +82,8 @@ def krylov(
         or BCOO matrix only (a BCOO matrix is densified, since its powers fill in;
         a callable raises a `ValueError`). It appends $A^k [x_0, \dots, x_{k-1}]$
         and squares $A^k$ in $\lceil \log_2 d \rceil$ levels, and its reverse pass
-        solves the adjoint recurrence by a parallel suffix scan: about
+        is parallel in time too (the levels transposed, or a parallel suffix scan
+        of the adjoint recurrence when the powers would not fit in memory): about
         $\log_2 d$ products of $n \times n$ matrices plus $O(n^2 d)$ work in large
         GEMMs, which beats the scan when $d$ is large and $n$ small. Its rounding
         errors are relative to $\|A^{2^k}\|$ rather than to each vector, so it
