@@ -48,6 +48,8 @@ buffer, and the batched product becomes one GEMM $\sum_k \lambda_{k+1} x_k^\top$
 only residuals are the forward output and the operator.
 """
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -98,8 +100,11 @@ def _krylov_bwd(tail, g_tail, perturbed, vjp_arg, d):
         g_tail = jnp.zeros_like(tail)
     # With lam_i the adjoint of x_i: lam_shifted = [lam_2, ..., lam_(d-1), 0] and
     # lam_1, the adjoint recurrence run over the tail's cotangents.
-    lam_shifted, lam1 = adjoint_scan(operator, g_tail)
-    grad_x0 = keep_sharding(operator.transpose(x0)(lam1), x0)
+    # One transpose serves every step and the final product (for a callable it
+    # linearises the operator, which is then done once).
+    transpose_mv = operator.transpose(x0)
+    lam_shifted, lam1 = adjoint_scan(transpose_mv, g_tail)
+    grad_x0 = keep_sharding(transpose_mv(lam1), x0)
     if any(jtu.tree_leaves(operator_perturbed)):
         # sum_(i=1)^(d-1) lam_i x_(i-1)^T: the pairs (lam_(j+2), x_(j+1)) line up row
         # by row in `lam_shifted` and `tail` (the zero last row pairs with x_(d-1)),
@@ -117,17 +122,19 @@ def _krylov_bwd(tail, g_tail, perturbed, vjp_arg, d):
     return grad_operator, grad_x0
 
 
-def adjoint_scan(operator: AbstractOperator, g: Array) -> tuple[Array, Array]:
+def adjoint_scan(
+    transpose_mv: Callable[[Array], Array], g: Array
+) -> tuple[Array, Array]:
     r"""Solve the adjoint recurrence $\lambda_i = g_i + A^\top \lambda_{i+1}$ backwards.
 
-    Returns the buffer $[\lambda_1, \dots, \lambda_{d-1}, 0]$ (stacked on the
-    leading axis) and $\lambda_0$. The buffer is `g` itself, overwritten in place by
-    one reverse scan: step $k$ reads $g_k$ from slot $k$ and then stores
-    $\lambda_{k+1}$ there, so no second buffer of the cotangent's size exists, and
-    the shifted order lines the buffer up with the forward vectors for one GEMM.
+    `transpose_mv` is $y \mapsto A^\top y$. Returns the buffer
+    $[\lambda_1, \dots, \lambda_{d-1}, 0]$ (stacked on the leading axis) and
+    $\lambda_0$. The buffer is `g` itself, overwritten in place by one reverse scan:
+    step $k$ reads $g_k$ from slot $k$ and then stores $\lambda_{k+1}$ there, so no
+    second buffer of the cotangent's size exists, and the shifted order lines the
+    buffer up with the forward vectors for one GEMM.
     """
     d = g.shape[0]
-    transpose_mv = operator.transpose(g[0])
     lam_last = g[d - 1]
     lam = lax.dynamic_update_index_in_dim(g, jnp.zeros_like(lam_last), d - 1, 0)
 
