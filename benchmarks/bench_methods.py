@@ -5,24 +5,32 @@ as JSON and markdown, plus a plot of the timing ratios:
 
 1. Time of `jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))` with
    `loss(A, x0) = sum(krylov(A, x0, d, method=m) * W)`, for a dense random `A`
-   (spectral radius 0.9) and `x0` of shape `(n,)`, over a grid of `n` and `d`. The
-   methods are timed side by side in one run, interleaved, and the median of the
-   repeats is reported, so the ratios are meaningful on a shared machine even when
-   the absolute times are not.
+   (spectral radius 0.9) and `x0` of shape `(n,)`, over a grid of `n` and `d`, in
+   `--dtype` (float32 by default). The methods are timed side by side in one run,
+   interleaved, and the median of the repeats is reported, so the ratios are
+   meaningful on a shared machine even when the absolute times are not. The loss
+   takes the real part, so complex dtypes are timed the same way.
 2. Accuracy: the largest column-wise relative error of the float32 Krylov matrix
    (and of the float32 gradient of `x0`) against a float64 reference, for random
    `A` with spectral radius 0.9 and 1.1 and a non-normal `A`, for both methods.
 3. Memory: XLA's compiled memory analysis of `jit(grad(loss))` for both methods.
 
 Run `python benchmarks/bench_methods.py` (about ten minutes on two CPU cores) or
-`python benchmarks/bench_methods.py --quick` (a smaller grid, fewer repeats).
+`python benchmarks/bench_methods.py --quick` (a smaller grid, fewer repeats). The
+thresholds of `method="auto"` come from runs of the timing alone per dtype, e.g.
+`python benchmarks/bench_methods.py --dtype complex64 --skip-accuracy --ns 4 16 64
+--ds 128 1024 --out benchmarks/results_methods/focus_complex64` (the exact commands
+are written beside the thresholds in `krylovjax/_doubling.py`). `--render JSON`
+rewrites the markdown and plot beside an existing `methods.json` without measuring.
 """
 
 import argparse
 import json
 import pathlib
 import platform
+import shlex
 import statistics
+import sys
 import time
 
 import jax
@@ -62,7 +70,8 @@ def nonnormal_matrix(rng, n, radius, coupling=1.0):
 
 def make_step(method, d):
     def loss(A, x0, W):
-        return jnp.sum(krylovjax.krylov(A, x0, d, method=method) * W)
+        # The real part makes the loss real for complex dtypes too.
+        return jnp.sum(jnp.real(krylovjax.krylov(A, x0, d, method=method) * W))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
@@ -118,13 +127,15 @@ def time_grid(ns, ds, repeats, dtype, budget):
                 "scan_over_doubling": med["scan"] / med["doubling"],
                 "auto_over_best": med["auto"] / best,
                 "auto_choice": chosen,
+                "choice_over_best": med[chosen] / best,
             }
             rows.append(row)
             print(
                 f"n={n:5d} d={d:5d}  scan {med['scan'] * 1e3:9.3f} ms  doubling "
                 f"{med['doubling'] * 1e3:9.3f} ms  auto {med['auto'] * 1e3:9.3f} ms "
                 f"({chosen})  scan/doubling {row['scan_over_doubling']:7.2f}  "
-                f"auto/best {row['auto_over_best']:5.2f}",
+                f"auto/best {row['auto_over_best']:5.2f}  "
+                f"choice/best {row['choice_over_best']:5.2f}",
                 flush=True,
             )
     return rows
@@ -231,31 +242,39 @@ def memory(sizes):
     return rows
 
 
-def write_markdown(path, command, timing, acc, mem):
+def write_markdown(path, result):
+    timing, acc, mem = result["timing"], result["accuracy"], result["memory"]
     lines = [
         "# `krylov(method=...)`: scan vs doubling vs auto",
         "",
-        f"Command: `{command}`  ",
-        f"Machine: {platform.machine()}, {jax.devices()[0].device_kind}, "
-        f"JAX {jax.__version__}, backend {jax.default_backend()}.",
+        f"Command: `{result['command']}`  ",
+        f"Machine: {result.get('machine', platform.machine())}, {result['device']}, "
+        f"JAX {result['jax']}, backend {result['backend']}.",
         "",
-        "## Forward + gradient time (float32, median of repeats, milliseconds)",
+        f"## Forward + gradient time ({result.get('dtype', 'float32')}, median of "
+        "repeats, milliseconds)",
         "",
         "`jit(value_and_grad(sum(krylov(A, x0, d) * W)))` with respect to `A` and "
-        "`x0`; `x0` of shape `(n,)`.",
+        "`x0`; `x0` of shape `(n,)`. `auto / best` is auto's own time over the "
+        "faster method's; where auto picks that method it runs the same program, so "
+        "this column then shows the timing noise between two identical programs. "
+        "`choice / best` is the time of the method auto picks, from the scan and "
+        "doubling columns, over the faster one: 1.00 where auto picks the faster.",
         "",
-        "| n | d | scan | doubling | auto (choice) | scan / doubling | auto / best |",
-        "|---:|---:|---:|---:|---|---:|---:|",
+        "| n | d | scan | doubling | auto (choice) | scan / doubling | auto / best "
+        "| choice / best |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in timing:
         if "skipped" in r:
-            lines.append(f"| {r['n']} | {r['d']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['n']} | {r['d']} | skipped: {r['skipped']} | | | | | |")
             continue
+        chosen = r[f"{r['auto_choice']}_s"] / min(r["scan_s"], r["doubling_s"])
         lines.append(
             f"| {r['n']} | {r['d']} | {r['scan_s'] * 1e3:.3f} | "
             f"{r['doubling_s'] * 1e3:.3f} | {r['auto_s'] * 1e3:.3f} "
             f"({r['auto_choice']}) | {r['scan_over_doubling']:.2f} | "
-            f"{r['auto_over_best']:.2f} |"
+            f"{r['auto_over_best']:.2f} | {chosen:.2f} |"
         )
     lines += [
         "",
@@ -294,7 +313,8 @@ def write_markdown(path, command, timing, acc, mem):
     path.write_text("\n".join(lines) + "\n")
 
 
-def plot(path, timing):
+def plot(path, result):
+    timing, dtype = result["timing"], result.get("dtype", "float32")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -315,7 +335,8 @@ def plot(path, timing):
     ax.set_yscale("log")
     ax.set_xlabel("d (number of vectors)")
     ax.set_ylabel("time(scan) / time(doubling)")
-    ax.set_title("forward + gradient, CPU float32 (> 1: doubling faster)")
+    backend = result["backend"].upper()
+    ax.set_title(f"forward + gradient, {backend} {dtype} (> 1: doubling faster)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -332,16 +353,37 @@ def main():
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--ns", type=int, nargs="+", help="override the grid's n")
     parser.add_argument("--ds", type=int, nargs="+", help="override the grid's d")
+    parser.add_argument(
+        "--render",
+        metavar="JSON",
+        help="only rewrite the markdown and plot beside an existing methods.json",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float64", "complex64", "complex128"),
+        help="dtype of the timing grid (accuracy and memory always use float32)",
+    )
     args = parser.parse_args()
+    if args.render:
+        json_path = pathlib.Path(args.render)
+        result = json.loads(json_path.read_text())
+        write_markdown(json_path.parent / "methods.md", result)
+        plot(json_path.parent / "methods.png", result)
+        print(f"rewrote {json_path.parent}/methods.md, methods.png")
+        return
+    if args.dtype in ("float64", "complex128"):
+        jax.config.update("jax_enable_x64", True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/bench_methods.py" + (" --quick" if args.quick else "")
+    argv = map(shlex.quote, sys.argv[1:])
+    command = " ".join(["python benchmarks/bench_methods.py", *argv])
     ns, ds = (QUICK_NS, QUICK_DS) if args.quick else (NS, DS)
     ns, ds = args.ns or ns, args.ds or ds
     repeats = args.repeats or (5 if args.quick else 9)
     budget = args.budget or (6.0 if args.quick else 20.0)
 
-    timing = time_grid(ns, ds, repeats, jnp.float32, budget)
+    timing = time_grid(ns, ds, repeats, jnp.dtype(args.dtype), budget)
     if args.skip_accuracy:
         acc = []
     else:
@@ -354,13 +396,15 @@ def main():
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind,
+        "machine": platform.machine(),
+        "dtype": args.dtype,
         "timing": timing,
         "accuracy": acc,
         "memory": mem,
     }
     (out / "methods.json").write_text(json.dumps(result, indent=1))
-    write_markdown(out / "methods.md", command, timing, acc, mem)
-    plot(out / "methods.png", timing)
+    write_markdown(out / "methods.md", result)
+    plot(out / "methods.png", result)
     print(f"wrote {out}/methods.json, methods.md, methods.png")
 
 
