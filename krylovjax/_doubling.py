@@ -94,35 +94,84 @@ def dense_matrix(operator: AbstractOperator) -> Inexact[Array, "n n"]:
 # ----------------------------------------------------------------------- selection
 
 # `method="auto"` picks "doubling" for a dense matrix when `d >= min_depth` for the
-# first row `(max_n, min_depth)` of `_MIN_DEPTH` with `n <= max_n`, and "scan"
-# otherwise, including every n > 256, every BCOO matrix and callable. Measured with
-#   python benchmarks/bench_methods.py
-#   python benchmarks/bench_methods.py --ns 4 16 32 64 128 256 --ds 512 1024 4096 \
-#       --skip-accuracy --repeats 15 --out benchmarks/results_methods/focus
-# (2 shared CPU cores, float32, jit(value_and_grad) of sum(krylov(A, x0, d) * W)
-# with respect to A and x0, x0 of shape (n,), default layout "columns", median of
-# interleaved repeats). time(scan) / time(doubling), > 1 where doubling is faster,
-# one value per run (the machine is shared, so runs disagree by up to 30%):
+# first row `(max_n, min_depth)` with `n <= max_n` of the table for the backend and
+# the dtype, and "scan" otherwise: for every larger n, every BCOO matrix and every
+# callable. Measured with
+#   python benchmarks/bench_methods.py --dtype DTYPE --ns 4 16 32 64 128 256 512 \
+#       --ds 16 128 256 512 1024 4096 --skip-accuracy --repeats 15 \
+#       --out benchmarks/results_methods/focus_DTYPE
+# and earlier runs of the same command (2 shared CPU cores, jit(value_and_grad) of
+# sum(real(krylov(A, x0, d) * W)) with respect to A and x0, x0 of shape (n,), layout
+# "columns", median of interleaved repeats). time(scan) / time(doubling), > 1
+# where doubling is faster, as the range over two to six runs where a size ran
+# more than once (the machine is shared, so runs disagree by up to 30%). Each
+# boundary is drawn where auto stays within 10% of the faster method in every run:
 #
-#   n \ d    16    128   512         1024        4096
-#   4       0.40  0.52  0.69        1.03, 1.07  2.46, 2.40
-#   16      0.74  0.85  1.75        2.46, 2.50  3.02, 3.04
-#   32                  1.48        2.13        2.12
-#   64      0.31  0.28  1.21        1.43, 1.35  1.40, 1.63
-#   128                 0.63        0.98        1.68
-#   256     0.13  0.27  0.41        0.55, 0.57  1.06, 1.07
-#   1024    0.04  0.14              0.40        (not run)
+#   float32    n \ d        16       128       256       512      1024      4096
+#                  4 0.31-0.60 0.45-0.63 0.33-0.53 0.64-0.71 1.04-1.11 1.79-2.52
+#                 16 0.64-1.06 0.69-0.73 1.12-1.17 1.56-1.65 2.50-2.56 3.78-4.14
+#                 32 0.55-0.68 0.73-0.75 0.98-1.01 1.44-1.63 2.14-2.18 2.15-2.41
+#                 64 0.31-0.32 0.37-0.41 0.62-0.64 1.03-1.06 1.36-1.46 1.52-1.60
+#                128 0.22-0.24 0.36-0.43 0.49-0.50 0.60-0.63 0.79-0.93 1.49-2.00
+#                256 0.11-0.14 0.33-0.39 0.47-0.57 0.64-0.68 0.91-0.93 1.69-1.73
+#                512      0.08      0.27 0.37-0.38 0.52-0.54 0.61-0.64 1.13-1.17
+#
+#   float64    n \ d        16       128       256       512      1024      4096
+#                  4 0.50-0.74 0.50-0.54 0.46-0.50 0.61-0.91 0.93-1.32 1.79-2.39
+#                 16 0.63-0.86 0.78-0.80 1.11-1.21 1.57-1.71 1.81-2.16 1.58-2.64
+#                 32 0.54-0.70 0.75-0.77 0.90-0.94 1.18-1.24 1.48-1.64 1.55-1.71
+#                 64 0.31-0.42 0.42-0.47 0.76-0.90 0.82-1.00 1.05-1.28 1.51-1.89
+#                128 0.22-0.23 0.39-0.45 0.49-0.51 0.54-0.60 0.81-0.89 1.62-1.78
+#                256 0.19-0.20 0.37-0.39 0.52-0.55 0.54-0.64 0.82-0.87 1.35-1.38
+#                512      0.12      0.36 0.47-0.50 0.39-0.61 0.65-0.70 1.32-1.43
+#
+#   complex64  n \ d        16       128       256       512      1024      4096
+#                  4 0.80-1.03 0.56-0.66 0.62-0.63 0.92-0.98 1.05-1.19 1.77-1.84
+#                 16 0.88-1.01 1.74-2.23 3.30-3.37 3.90-4.57 4.73-5.75 5.18-6.31
+#                 32 0.80-0.84 1.31-1.38 1.78-1.91 2.30-2.47 2.89-3.09 3.92-4.19
+#                 64 0.49-0.60 0.69-0.72 1.03-1.05 1.41-1.42 1.90-1.98 3.27-3.42
+#                128 0.34-0.35 0.72-0.86      0.90 1.19-1.25 1.65-1.90 3.00-3.15
+#                256 0.26-0.28 0.57-0.67 0.82-0.83 0.95-0.97 1.17-1.37 2.10-2.41
+#                512      0.12      0.36      0.52 0.63-0.65 0.73-0.74 1.58-1.59
+#
+#   complex128 n \ d        16       128       256       512      1024      4096
+#                  4      0.78      0.55 0.58-0.64 0.85-0.88 1.00-1.02 1.16-1.20
+#                 16 0.85-0.95 2.07-2.13 2.92-2.93 3.48-3.63 3.87-3.93 4.76-4.93
+#                 32 0.84-0.88 1.23-1.26 1.67-1.68 2.08-2.17 2.07-2.44 2.76-4.53
+#                 64 0.49-0.50 0.81-0.82 1.03-1.05 1.45-1.50 2.14-2.18 3.28-3.30
+#                128 0.40-0.41 0.99-1.03 0.84-0.87 1.39-1.49 2.04-2.09 3.36-3.39
+#                256      0.18 0.47-0.49 0.59-0.61 0.69-0.70      0.96 1.74-1.80
+#                512      0.11      0.30      0.41 0.50-0.53 0.58-0.59 1.26-1.32
 #
 # Doubling does about 3 n^2 d work (forward, transposed levels: P^T C and C X^T
-# per level) against the scan's 3 n^2 d, plus about 4 n^3 log2(d) for the powers
-# and their cotangents, all in large GEMMs; it wins once d is large enough for
-# the scan's per-step overhead to dominate and n small enough for the n^3 term
-# not to. The same table is used for every dtype, block size and backend: only
-# CPU float32 with x0 of shape (n,) was measured. On a GPU, where each scan step
-# costs a kernel launch, the crossover is expected at smaller d, which this table
-# does not exploit. The latest full tables, with accuracy and memory, are in
-# benchmarks/results_methods/.
-_MIN_DEPTH: tuple[tuple[int, int | None], ...] = ((4, 1024), (64, 512), (256, 4096))
+# per level) against the scan's 3 n^2 d, plus about 3-4 n^3 log2(d) for the
+# powers and their cotangents, all in large GEMMs; it wins once d is large enough
+# for the scan's per-step cost to dominate and n small enough for the n^3 term not
+# to. Complex matrix-vector products are comparatively slow in the scan, so
+# doubling wins earlier for complex dtypes. At n = 512 and d = 2048 the powers do
+# not fit the memory bound of the transposed levels and the reverse pass falls
+# back to the slower suffix scan, so the n = 512 rows start at d = 4096. Only x0
+# of shape (n,) was measured; a block x0 uses the same table. Only the CPU was
+# measured, so every backend uses the CPU table; on a GPU, where each scan step
+# costs a kernel launch, the crossover is expected at smaller d. Other inexact
+# dtypes (float16, bfloat16) use the float32 table. The full tables, with
+# accuracy and memory, are in benchmarks/results_methods/.
+_COMPLEX_MIN_DEPTH = (
+    (4, 1024),
+    (32, 128),
+    (64, 256),
+    (128, 512),
+    (256, 1024),
+    (512, 4096),
+)
+_MIN_DEPTH: dict[str, dict[str, tuple[tuple[int, int], ...]]] = {
+    "cpu": {
+        "float32": ((4, 1024), (16, 256), (64, 512), (512, 4096)),
+        "float64": ((4, 1024), (16, 256), (32, 512), (64, 1024), (512, 4096)),
+        "complex64": _COMPLEX_MIN_DEPTH,
+        "complex128": _COMPLEX_MIN_DEPTH,
+    },
+}
 
 
 def choose_method(
@@ -136,9 +185,11 @@ def choose_method(
     **Arguments:**
 
     - `operator`: the operator in internal form (see `as_operator`).
-    - `x0`: the starting vector `(n,)` or block `(n, b)`, after dtype promotion.
+    - `x0`: the starting vector `(n,)` or block `(n, b)`, after dtype promotion;
+        its dtype selects the table.
     - `d`: the number of vectors.
-    - `backend`: the JAX backend name; defaults to `jax.default_backend()`.
+    - `backend`: the JAX backend name; defaults to `jax.default_backend()`. Only the
+        CPU was measured, so every backend uses the CPU table for now.
 
     **Returns:**
 
@@ -148,10 +199,12 @@ def choose_method(
         return "scan"
     if backend is None:
         backend = jax.default_backend()
+    tables = _MIN_DEPTH.get(backend, _MIN_DEPTH["cpu"])
+    table = tables.get(jnp.dtype(x0.dtype).name, tables["float32"])
     n = x0.shape[0]
-    for max_n, min_depth in _MIN_DEPTH:
+    for max_n, min_depth in table:
         if n <= max_n:
-            return "doubling" if min_depth is not None and d >= min_depth else "scan"
+            return "doubling" if d >= min_depth else "scan"
     return "scan"
 
 

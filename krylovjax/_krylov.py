@@ -92,9 +92,11 @@ def krylov(
         that $A$ contracts while others grow; with the spectral radius far from 1,
         the powers overflow or underflow (to `inf` or `0`) about as early as the
         vectors do. `"auto"` (default) picks `"doubling"` for a dense matrix when
-        $d$ is large compared with $n$ (thresholds measured on CPU, see
-        `krylovjax/_doubling.py`) and `"scan"` otherwise, including every BCOO
-        matrix, every callable, and whenever `adjoint="custom_jvp"`.
+        $d$ is large compared with $n$ and `"scan"` otherwise, including every BCOO
+        matrix, every callable, and whenever `adjoint="custom_jvp"`. Its thresholds
+        depend on the dtype (doubling wins at smaller $d$ for complex dtypes) and
+        were measured on CPU (see `krylovjax/_doubling.py`); other backends use the
+        CPU thresholds until measured.
 
     **Returns:**
 

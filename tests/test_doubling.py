@@ -374,20 +374,52 @@ def _operator(kind, n, dtype=jnp.float32, block=None):
         (4, 512, "scan"),
         (5, 512, "doubling"),
         (16, 128, "scan"),
-        (16, 511, "scan"),
+        (16, 255, "scan"),
+        (16, 256, "doubling"),
+        (17, 511, "scan"),
         (32, 1024, "doubling"),
         (64, 512, "doubling"),
         (64, 4096, "doubling"),
         (65, 2048, "scan"),
         (128, 4096, "doubling"),
         (256, 4096, "doubling"),
-        (257, 4096, "scan"),
+        (512, 2048, "scan"),
+        (512, 4096, "doubling"),
+        (513, 4096, "scan"),
         (1024, 1024, "scan"),
     ],
 )
 def test_auto_choice_dense(backend, n, d, want):
+    # The float32 table; a backend without its own table uses the CPU one.
     operator, x0 = _operator("dense", n)
     assert choose_method(operator, x0, d, backend) == want
+
+
+@pytest.mark.parametrize(
+    ("dtype", "n", "d", "want"),
+    [
+        # float64: doubling needs larger d than float32 at n in (32, 64].
+        (jnp.float64, 64, 512, "scan"),
+        (jnp.float64, 64, 1024, "doubling"),
+        (jnp.float64, 32, 512, "doubling"),
+        (jnp.float64, 32, 256, "scan"),
+        (jnp.float64, 128, 1024, "scan"),
+        # complex: the scan's complex products are slow, doubling wins earlier.
+        (jnp.complex64, 16, 128, "doubling"),
+        (jnp.complex64, 16, 127, "scan"),
+        (jnp.complex64, 64, 256, "doubling"),
+        (jnp.complex64, 256, 1024, "doubling"),
+        (jnp.complex64, 257, 1024, "scan"),
+        (jnp.complex128, 128, 512, "doubling"),
+        (jnp.complex128, 128, 256, "scan"),
+        # Other inexact dtypes use the float32 table.
+        (jnp.float16, 64, 512, "doubling"),
+        (jnp.bfloat16, 16, 128, "scan"),
+    ],
+)
+def test_auto_choice_depends_on_dtype(dtype, n, d, want):
+    operator, x0 = _operator("dense", n, dtype)
+    assert choose_method(operator, x0, d, "cpu") == want
 
 
 @pytest.mark.parametrize("kind", ["bcoo", "callable"])
