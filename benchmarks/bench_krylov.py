@@ -67,6 +67,7 @@ FULL = {
     "target_time_s": 0.3,
     "min_repeats": 5,
     "max_repeats": 200,
+    "block_sizes": [(64, 1024, 8), (256, 1024, 8)],
 }
 QUICK = {
     "sizes": [(3, 10), (16, 20)],
@@ -78,10 +79,12 @@ QUICK = {
     "target_time_s": 0.02,
     "min_repeats": 3,
     "max_repeats": 10,
+    "block_sizes": [(16, 20, 4)],
 }
 
 
-# The four ways of building X, each returning shape (n, d).
+# The ways of building X, each returning shape (n, d), or (n, d, b) for a block x0
+# of shape (n, b).
 
 
 def krylov_krylovjax(A, x0, d):
@@ -100,7 +103,7 @@ def krylov_scan(A, x0, d):
         return y, y
 
     _, ys = lax.scan(step, x0, length=d - 1)
-    return jnp.concatenate([x0[None], ys]).T
+    return jnp.moveaxis(jnp.concatenate([x0[None], ys]), 0, 1)
 
 
 def krylov_unrolled(A, x0, d):
@@ -140,13 +143,15 @@ def make_functions(method: str, d: int) -> tuple[Callable, Callable]:
     return forward, grad
 
 
-def problem(n: int, d: int, seed: int = 0):
+def problem(n: int, d: int, b: int | None = None, seed: int = 0):
+    """`A`, `x0` of shape `(n,)` (or `(n, b)`) and the loss weights `W` like X."""
     key_a, key_x, key_w = jax.random.split(jax.random.key(seed), 3)
     # A random orthogonal matrix: every power of A keeps the norm of x0, so that
     # nothing overflows or underflows in float32 even at d = 10000.
     A, _ = jnp.linalg.qr(jax.random.normal(key_a, (n, n), jnp.float32))
-    x0 = jax.random.normal(key_x, (n,), jnp.float32)
-    W = jax.random.normal(key_w, (n, d), jnp.float32)
+    block = () if b is None else (b,)
+    x0 = jax.random.normal(key_x, (n, *block), jnp.float32)
+    W = jax.random.normal(key_w, (n, d, *block), jnp.float32)
     return A, x0, W
 
 
@@ -196,12 +201,14 @@ def time_interleaved(entries: list[dict], config) -> None:
             e["times"].append(total / e["inner"])
 
 
-def measure_size(methods: list[str], n: int, d: int, config) -> dict[str, dict]:
-    A, x0, W = problem(n, d)
+def measure_size(
+    methods: list[str], n: int, d: int, config, b: int | None = None
+) -> dict[str, dict]:
+    A, x0, W = problem(n, d, b)
     results, entries = {}, []
     for method in methods:
         forward, grad = make_functions(method, d)
-        result = {"method": method, "n": n, "d": d}
+        result = {"method": method, "n": n, "d": d, "b": b}
         for name, fn, args in (
             ("forward", forward, (A, x0)),
             ("grad", grad, (A, x0, W)),
@@ -222,7 +229,7 @@ def measure_size(methods: list[str], n: int, d: int, config) -> dict[str, dict]:
     return results
 
 
-def check_agreement(results: list[dict]) -> dict[str, float]:
+def check_agreement(results: list[dict], tag: str = "") -> dict[str, float]:
     """Largest relative difference of each method's outputs from plain `scan`'s."""
     ref = {
         (r["n"], r["d"]): r
@@ -243,7 +250,7 @@ def check_agreement(results: list[dict]) -> dict[str, float]:
             ):
                 scale = max(float(np.max(np.abs(b))), 1e-30)
                 worst = max(worst, float(np.max(np.abs(a - b))) / scale)
-        errors[f"{r['method']} n={r['n']} d={r['d']}"] = worst
+        errors[f"{r['method']} n={r['n']} d={r['d']}{tag}"] = worst
     return errors
 
 
@@ -272,6 +279,21 @@ def run_sizes(sizes, config, cache, log) -> list[dict]:
                 results.append(cache[(method, n, d)])
             else:
                 results.append({"method": method, "n": n, "d": d, "skipped": SKIPPED})
+    return results
+
+
+def run_block_sizes(sizes, config, log) -> list[dict]:
+    """krylovjax against plain scan for a block x0 of shape (n, b)."""
+    results = []
+    for n, d, b in sizes:
+        methods = ["krylovjax", "kj_jvp", "scan"]
+        for method, r in measure_size(methods, n, d, config, b).items():
+            results.append(r)
+            log(
+                f"  {method:>9} n={n:<5} d={d:<5} b={b:<3} "
+                f"fwd {r['forward']['median_s'] * 1e3:9.3f} ms  "
+                f"grad {r['grad']['median_s'] * 1e3:9.3f} ms"
+            )
     return results
 
 
@@ -386,6 +408,28 @@ def markdown(report: dict) -> str:
             f"| {_fmt(_ratio(sc_g, sc_f))} | {_fmt(_ratio(kj_m, sc_m))} "
             f"| {_fmt(_ratio(kj_g, un_g))} | {_fmt(_ratio(kj_g, co_g))} "
             f"| {_fmt(_ratio(jv_g, sc_g))} | {_fmt(_ratio(jv_m, sc_m))} |"
+        )
+    lines += [
+        "",
+        "## Block x0",
+        "",
+        "`x0` of shape `(n, b)`, `X` of shape `(n, d, b)`; unrolled and concat are "
+        "not run at these depths.",
+        "",
+        "| n | d | b | kj grad / scan grad | kj grad temp / scan grad temp "
+        "| kj_jvp grad / scan grad | kj grad ms | scan grad ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    blocks = {(r["method"], r["n"], r["d"], r["b"]): r for r in report["blocks"]}
+    for n, d, b in report["config"]["block_sizes"]:
+        kj, sc, jv = (
+            blocks[(m, n, d, b)]["grad"] for m in ("krylovjax", "scan", "kj_jvp")
+        )
+        lines.append(
+            f"| {n} | {d} | {b} | {_fmt(_ratio(kj['median_s'], sc['median_s']))} "
+            f"| {_fmt(_ratio(kj['temp_bytes'], sc['temp_bytes']))} "
+            f"| {_fmt(_ratio(jv['median_s'], sc['median_s']))} "
+            f"| {_ms(kj['median_s'])} | {_ms(sc['median_s'])} |"
         )
     scaling = report["compile_scaling"]
     lo, hi = scaling["points"]
@@ -510,7 +554,9 @@ def main(argv=None) -> dict:
     cache: dict = {}
     log("sizes")
     sizes = run_sizes(config["sizes"], config, cache, log)
-    agreement = check_agreement(sizes)
+    log("block x0")
+    blocks = run_block_sizes(config["block_sizes"], config, log)
+    agreement = {**check_agreement(sizes), **check_agreement(blocks, " block")}
     log("plot grid")
     plot_n = config["plot_n"]
     plot_rows = run_sizes([(plot_n, d) for d in config["plot_ds"]], config, cache, log)
@@ -527,13 +573,14 @@ def main(argv=None) -> dict:
     }
     log(f"  ratio {scaling['ratio']:.2f}")
 
-    strip_outputs(list(cache.values()))
+    strip_outputs(list(cache.values()) + blocks)
     report = {
         "mode": "quick" if args.quick else "full",
         "machine": machine_info(),
         "config": {**config, "peer_max_d": PEER_MAX_D},
         "sizes": sizes,
         "plot": plot_rows,
+        "blocks": blocks,
         "compile_scaling": scaling,
         "agreement": agreement,
         "total_s": time.perf_counter() - start,
