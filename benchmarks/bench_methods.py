@@ -5,10 +5,11 @@ as JSON and markdown, plus a plot of the timing ratios:
 
 1. Time of `jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))` with
    `loss(A, x0) = sum(krylov(A, x0, d, method=m) * W)`, for a dense random `A`
-   (spectral radius 0.9) and `x0` of shape `(n,)`, over a grid of `n` and `d`, in
-   `--dtype` (float32 by default). The methods are timed side by side in one run,
-   interleaved, and the median of the repeats is reported, so the ratios are
-   meaningful on a shared machine even when the absolute times are not. The loss
+   (spectral radius 0.9) and `x0` of shape `(n,)` (or `(n, b)` with `--block b`),
+   over a grid of `n` and `d`, in `--dtype` (float32 by default). The methods are
+   timed side by side in one run, interleaved, and the median of the repeats is
+   reported, so the ratios are meaningful on a shared machine even when the
+   absolute times are not. The loss
    takes the real part, so complex dtypes are timed the same way.
 2. Accuracy: the largest column-wise relative error of the float32 Krylov matrix
    (and of the float32 gradient of `x0`) against a float64 reference, for random
@@ -80,7 +81,7 @@ def _block(out):
     jax.block_until_ready(out)
 
 
-def time_grid(ns, ds, repeats, dtype, budget):
+def time_grid(ns, ds, repeats, dtype, budget, block=None):
     rows = []
     for n in ns:
         for d in ds:
@@ -90,8 +91,9 @@ def time_grid(ns, ds, repeats, dtype, budget):
                 continue
             rng = np.random.default_rng(n * 7919 + d)
             A = jnp.asarray(random_matrix(rng, n, 0.9), dtype)
-            x0 = jnp.asarray(rng.standard_normal(n), dtype)
-            W = jnp.asarray(rng.standard_normal((n, d)), dtype)
+            b = () if block is None else (block,)
+            x0 = jnp.asarray(rng.standard_normal((n, *b)), dtype)
+            W = jnp.asarray(rng.standard_normal((n, d, *b)), dtype)
             steps = {m: make_step(m, d) for m in METHODS}
             # Compile and warm up; estimate one call to choose the inner loop count.
             estimate = {}
@@ -244,6 +246,8 @@ def memory(sizes):
 
 def write_markdown(path, result):
     timing, acc, mem = result["timing"], result["accuracy"], result["memory"]
+    block = result.get("block")
+    x0_shape = "`(n,)`" if block is None else f"`(n, {block})`"
     lines = [
         "# `krylov(method=...)`: scan vs doubling vs auto",
         "",
@@ -255,7 +259,7 @@ def write_markdown(path, result):
         "repeats, milliseconds)",
         "",
         "`jit(value_and_grad(sum(krylov(A, x0, d) * W)))` with respect to `A` and "
-        "`x0`; `x0` of shape `(n,)`. `auto / best` is auto's own time over the "
+        f"`x0`; `x0` of shape {x0_shape}. `auto / best` is auto's own time over the "
         "faster method's; where auto picks that method it runs the same program, so "
         "this column then shows the timing noise between two identical programs. "
         "`choice / best` is the time of the method auto picks, from the scan and "
@@ -336,7 +340,8 @@ def plot(path, result):
     ax.set_xlabel("d (number of vectors)")
     ax.set_ylabel("time(scan) / time(doubling)")
     backend = result["backend"].upper()
-    ax.set_title(f"forward + gradient, {backend} {dtype} (> 1: doubling faster)")
+    block = "" if result.get("block") is None else f", x0 (n, {result['block']})"
+    ax.set_title(f"forward + gradient, {backend} {dtype}{block} (> 1: doubling faster)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -353,6 +358,9 @@ def main():
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--ns", type=int, nargs="+", help="override the grid's n")
     parser.add_argument("--ds", type=int, nargs="+", help="override the grid's d")
+    parser.add_argument(
+        "--block", type=int, default=None, help="time a block x0 of shape (n, BLOCK)"
+    )
     parser.add_argument(
         "--render",
         metavar="JSON",
@@ -383,7 +391,7 @@ def main():
     repeats = args.repeats or (5 if args.quick else 9)
     budget = args.budget or (6.0 if args.quick else 20.0)
 
-    timing = time_grid(ns, ds, repeats, jnp.dtype(args.dtype), budget)
+    timing = time_grid(ns, ds, repeats, jnp.dtype(args.dtype), budget, args.block)
     if args.skip_accuracy:
         acc = []
     else:
@@ -398,6 +406,7 @@ def main():
         "device": jax.devices()[0].device_kind,
         "machine": platform.machine(),
         "dtype": args.dtype,
+        "block": args.block,
         "timing": timing,
         "accuracy": acc,
         "memory": mem,
