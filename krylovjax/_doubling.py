@@ -150,12 +150,46 @@ def dense_matrix(operator: AbstractOperator) -> Inexact[Array, "n n"]:
 # to. Complex matrix-vector products are comparatively slow in the scan, so
 # doubling wins earlier for complex dtypes. At n = 512 and d = 2048 the powers do
 # not fit the memory bound of the transposed levels and the reverse pass falls
-# back to the slower suffix scan, so the n = 512 rows start at d = 4096. Only x0
-# of shape (n,) was measured; a block x0 uses the same table. Only the CPU was
-# measured, so every backend uses the CPU table; on a GPU, where each scan step
-# costs a kernel launch, the crossover is expected at smaller d. Other inexact
-# dtypes (float16, bfloat16) use the float32 table. The full tables, with
-# accuracy and memory, are in benchmarks/results_methods/.
+# back to the slower suffix scan, so the n = 512 rows start at d = 4096.
+#
+# A block x0 of shape (n, b) makes every scan step a small matrix product, and
+# doubling wins at much smaller d: float32, two runs each of
+#   python benchmarks/bench_methods.py --block B --ns 4 16 64 256 \
+#       --ds 16 64 128 512 1024 --skip-accuracy --repeats 9 \
+#       --out benchmarks/results_methods/block_B
+#
+#   b = 2       n \ d        16        64       128       512      1024
+#                  4 0.57-0.77 0.40-0.44 0.40-0.42 0.75-0.80 1.06-1.11
+#                 16 0.97-1.10 1.61-1.78 2.59-2.67 6.16-6.27 8.29-8.43
+#                 64 0.93-0.95 0.98-0.99 1.37-1.43 2.32-2.38 3.10-3.16
+#                256 0.37-0.45 0.58-0.67 0.71-0.84 1.00-1.27 1.41-1.82
+#
+#   b = 8       n \ d        16        64       128       512      1024
+#                  4 0.93-1.05 1.60-1.95 2.44-2.45 6.13-6.39 9.20-9.21
+#                 16 1.16-1.18 1.59-1.65 2.27-2.37      2.67 3.74-3.82
+#                 64 0.63-0.64 0.97-0.98 1.22-1.23 1.65-1.72 2.05-2.22
+#                256 0.44-0.45 0.52-0.55 0.68-0.69 1.12-1.19 1.35-1.46
+#
+#   b = 32      n \ d        16        64       128       512      1024
+#                  4 0.99-1.17 1.49-1.54 2.27-2.33 2.85-3.48 3.74-4.45
+#                 16 1.13-1.22 1.53-1.60 1.45-1.50 1.86-2.10 2.60-2.94
+#                 64 1.02-1.03 1.32-1.36 1.25-1.30 2.03-2.09 2.37-2.43
+#                256 0.68-0.69 1.05-1.13 1.24-1.26 1.36-1.40 1.44-1.49
+#
+# A block with b > 1 therefore looks up the table with 2 b d in place of d. In
+# these runs auto then picked the faster method, or one within 10% of it,
+# everywhere but (n, d, b) = (4, 512, 2) (1.26-1.34x slower), where the crossover
+# of tiny matrices with b = 2 lies near d = 1024, and once at (256, 512, 2) (1.27
+# in one run, 1.00 in the other). Counting a block as b d missed by up to 1.8x
+# (at (256, 1024, 2)), and ignoring the block would pick the scan at (4, 512, 8),
+# 6.1-6.4x slower than doubling. Short sequences of wide blocks (b = 64, d = 3 to
+# 16, n = 16 to 256; two runs, the second written to
+# benchmarks/results_methods/block_64) stayed within 6% of the faster method.
+#
+# Only the CPU was measured, so every backend uses the CPU table; on a GPU, where
+# each scan step costs a kernel launch, the crossover is expected at smaller d.
+# Other inexact dtypes (float16, bfloat16) use the float32 table. The full tables,
+# with accuracy and memory, are in benchmarks/results_methods/.
 _COMPLEX_MIN_DEPTH = (
     (4, 1024),
     (32, 128),
@@ -202,9 +236,12 @@ def choose_method(
     tables = _MIN_DEPTH.get(backend, _MIN_DEPTH["cpu"])
     table = tables.get(jnp.dtype(x0.dtype).name, tables["float32"])
     n = x0.shape[0]
+    # A block of b > 1 vectors counts as 2 b times the depth (measured above).
+    b = math.prod(x0.shape[1:])
+    depth = d if b == 1 else 2 * b * d
     for max_n, min_depth in table:
         if n <= max_n:
-            return "doubling" if d >= min_depth else "scan"
+            return "doubling" if depth >= min_depth else "scan"
     return "scan"
 
 

@@ -95,8 +95,9 @@ def krylov(
         $d$ is large compared with $n$ and `"scan"` otherwise, including every BCOO
         matrix, every callable, and whenever `adjoint="custom_jvp"`. Its thresholds
         depend on the dtype (doubling wins at smaller $d$ for complex dtypes) and
-        were measured on CPU (see `krylovjax/_doubling.py`); other backends use the
-        CPU thresholds until measured.
+        on the block size (a block of $b > 1$ vectors counts as $2 b d$), and were
+        measured on CPU (see `krylovjax/_doubling.py`); other backends use the CPU
+        thresholds until measured.
 
     **Returns:**
 

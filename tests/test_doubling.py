@@ -422,6 +422,29 @@ def test_auto_choice_depends_on_dtype(dtype, n, d, want):
     assert choose_method(operator, x0, d, "cpu") == want
 
 
+@pytest.mark.parametrize(
+    ("n", "d", "block", "want"),
+    [
+        # A block of b > 1 vectors counts as 2 b times the depth: doubling wins much
+        # earlier than for a vector.
+        (4, 128, 4, "doubling"),
+        (4, 127, 4, "scan"),
+        (16, 16, 8, "doubling"),
+        (64, 64, 4, "doubling"),
+        (64, 63, 4, "scan"),
+        (256, 512, 4, "doubling"),
+        (256, 511, 4, "scan"),
+        (1024, 4096, 8, "scan"),
+        # A (n, 1) block is a vector.
+        (16, 255, 1, "scan"),
+        (16, 256, 1, "doubling"),
+    ],
+)
+def test_auto_choice_block(n, d, block, want):
+    operator, x0 = _operator("dense", n, block=block)
+    assert choose_method(operator, x0, d, "cpu") == want
+
+
 @pytest.mark.parametrize("kind", ["bcoo", "callable"])
 def test_auto_choice_sparse_and_callable_is_scan(kind):
     operator, x0 = _operator(kind, 4)
