@@ -18,8 +18,13 @@ from ._doubling import (
     krylov_doubling,
     krylov_doubling_custom_vjp,
 )
-from ._operator import as_operator
-from ._scan import krylov_custom_jvp, krylov_scan, krylov_tail_custom_vjp
+from ._operator import DenseOperator, as_operator
+from ._scan import (
+    krylov_block_tail_custom_vjp,
+    krylov_custom_jvp,
+    krylov_scan,
+    krylov_tail_custom_vjp,
+)
 
 LAYOUTS = ("columns", "rows")
 ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
@@ -147,6 +152,16 @@ def krylov(
         return krylov_doubling_custom_vjp((operator, x0), d, layout)
     elif method == "doubling":
         return krylov_doubling(dense_matrix(operator), x0, d, layout)
+    elif (
+        adjoint == "custom_vjp" and isinstance(operator, DenseOperator) and x0.ndim == 2
+    ):
+        # A dense matrix and a block: the scan runs on the block's transpose, one
+        # vector per row (see `krylov_block_tail_custom_vjp`).
+        z0 = x0.T
+        zs = jnp.concatenate(
+            [z0[None], krylov_block_tail_custom_vjp((operator.matrix, z0), d)]
+        )
+        return jnp.transpose(zs, (2, 0, 1) if layout == "columns" else (0, 2, 1))
     elif adjoint == "custom_vjp":
         tail = krylov_tail_custom_vjp((operator, x0), d)
         xs = jnp.concatenate([x0[None], tail])

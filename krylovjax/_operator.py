@@ -67,16 +67,11 @@ class DenseOperator(AbstractOperator):
         return self.matrix @ x
 
     def transpose(self, like: Array) -> Callable[[Array], Array]:
-        if like.ndim == 1:
-            # A matrix-vector product that contracts the matrix's first axis runs as
-            # fast as one with a transposed copy, and needs no (n, n) buffer.
-            return lambda y: lax.dot_general(self.matrix, y, (((0,), (0,)), ((), ())))
-        # For a block, that product runs 1.5-3.5x slower per step than a plain
-        # matrix product on CPU (`benchmarks/bench_krylov.py`, block sizes), so the
-        # transpose is formed once here, outside the reverse scan. (`matrix.T @ y`
-        # inside the step would let XLA fold the transpose back into the product.)
-        transposed = self.matrix.T
-        return lambda y: transposed @ y
+        del like
+        # Contract the matrix's first axis directly: `matrix.T @ y` would make XLA
+        # materialise the transposed matrix inside every step of the reverse scan.
+        # (A dense matrix with a block x0 takes `krylov_block_tail_custom_vjp`.)
+        return lambda y: lax.dot_general(self.matrix, y, (((0,), (0,)), ((), ())))
 
     def mm(self, xs: Shaped[Array, "k n *b"]) -> Shaped[Array, "k n *b"]:
         return jnp.einsum("nm,km...->kn...", self.matrix, xs)
