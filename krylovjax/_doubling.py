@@ -153,38 +153,43 @@ def dense_matrix(operator: AbstractOperator) -> Inexact[Array, "n n"]:
 # back to the slower suffix scan, so the n = 512 rows start at d = 4096.
 #
 # A block x0 of shape (n, b) makes every scan step a small matrix product, and
-# doubling wins at much smaller d: float32, two runs each of
+# doubling wins at much smaller d: float32, with
 #   python benchmarks/bench_methods.py --block B --ns 4 16 64 256 \
 #       --ds 16 64 128 512 1024 --skip-accuracy --repeats 9 \
 #       --out benchmarks/results_methods/block_B
+# (three runs for b = 2, two for b = 8, one for b = 32; b = 64 with --ns 16 64 256
+# --ds 3 5 8 16), all with the scan's row-carry block path:
 #
-#   b = 2       n \ d        16        64       128       512      1024
-#                  4 0.57-0.77 0.40-0.44 0.40-0.42 0.75-0.80 1.06-1.11
-#                 16 0.97-1.10 1.61-1.78 2.59-2.67 6.16-6.27 8.29-8.43
-#                 64 0.93-0.95 0.98-0.99 1.37-1.43 2.32-2.38 3.10-3.16
-#                256 0.37-0.45 0.58-0.67 0.71-0.84 1.00-1.27 1.41-1.82
+#   b = 2   n \ d         16         64        128        512       1024
+#              4  0.50-0.62  0.39-0.61  0.34-0.41  0.56-0.70  0.96-1.00
+#             16  0.92-0.96  1.44-1.74  2.36-2.49  5.24-6.72 8.29-13.91
+#             64  0.58-0.95  0.58-0.63  0.88-0.90  1.50-1.77  1.89-2.08
+#            256  0.16-0.25  0.25-0.37  0.45-0.47  0.59-0.77  0.78-1.05
 #
-#   b = 8       n \ d        16        64       128       512      1024
-#                  4 0.93-1.05 1.60-1.95 2.44-2.45 6.13-6.39 9.20-9.21
-#                 16 1.16-1.18 1.59-1.65 2.27-2.37      2.67 3.74-3.82
-#                 64 0.63-0.64 0.97-0.98 1.22-1.23 1.65-1.72 2.05-2.22
-#                256 0.44-0.45 0.52-0.55 0.68-0.69 1.12-1.19 1.35-1.46
+#   b = 8   n \ d         16         64        128        512       1024
+#              4  0.86-1.06  1.64-1.77  2.16-2.28  5.96-6.02  9.25-9.47
+#             16  1.08-1.38  1.72-1.73  2.36-2.48  2.54-3.42  3.39-4.15
+#             64  0.63-0.66  1.15-1.19  1.41-1.58  1.70-1.72  2.10-2.35
+#            256  0.48-0.49       0.51  0.74-0.79  1.28-1.34  1.50-1.57
 #
-#   b = 32      n \ d        16        64       128       512      1024
-#                  4 0.99-1.17 1.49-1.54 2.27-2.33 2.85-3.48 3.74-4.45
-#                 16 1.13-1.22 1.53-1.60 1.45-1.50 1.86-2.10 2.60-2.94
-#                 64 1.02-1.03 1.32-1.36 1.25-1.30 2.03-2.09 2.37-2.43
-#                256 0.68-0.69 1.05-1.13 1.24-1.26 1.36-1.40 1.44-1.49
+#   b = 32  n \ d         16         64        128        512       1024
+#              4       1.13       1.82       2.80       3.53       3.71
+#             16       1.43       2.15       1.88       2.67       3.24
+#             64       1.33       1.67       1.53       1.88       2.74
+#            256       0.77       1.22       1.56       1.59       1.69
 #
-# A block with b > 1 therefore looks up the table with 2 b d in place of d. In
-# these runs auto then picked the faster method, or one within 10% of it,
-# everywhere but (n, d, b) = (4, 512, 2) (1.26-1.34x slower), where the crossover
-# of tiny matrices with b = 2 lies near d = 1024, and once at (256, 512, 2) (1.27
-# in one run, 1.00 in the other). Counting a block as b d missed by up to 1.8x
-# (at (256, 1024, 2)), and ignoring the block would pick the scan at (4, 512, 8),
-# 6.1-6.4x slower than doubling. Short sequences of wide blocks (b = 64, d = 3 to
-# 16, n = 16 to 256; two runs, the second written to
-# benchmarks/results_methods/block_64) stayed within 6% of the faster method.
+#   b = 64  n \ d          3          5          8         16
+#             16       1.17       1.24       1.60       1.59
+#             64       1.03       1.04       1.73       1.54
+#            256       0.80       0.55       0.75       0.80
+#
+# A block with b > 1 therefore looks up the table with 2 b d in place of d. Then
+# auto picks the faster method, or one within 10% of it, everywhere in these runs
+# except at b = 2: (n, d) = (4, 512), 1.43-1.78x slower than the scan (tiny
+# matrices with b = 2 cross over near d = 1024); (64, 128), 1.11-1.14x; and
+# (256, 1024), 1.28x in one of three runs. A factor b min(sqrt(b), 2) fits b = 2
+# at n = 64 and 256 but misses (16, 64) by 1.4-1.7x instead. Ignoring the block
+# would pick the scan at (4, 512, 8), where doubling is 6.0x faster.
 #
 # Only the CPU was measured, so every backend uses the CPU table; on a GPU, where
 # each scan step costs a kernel launch, the crossover is expected at smaller d.

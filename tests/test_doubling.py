@@ -427,6 +427,9 @@ def test_auto_choice_depends_on_dtype(dtype, n, d, want):
     [
         # A block of b > 1 vectors counts as 2 b times the depth: doubling wins much
         # earlier than for a vector.
+        (64, 128, 2, "doubling"),
+        (64, 127, 2, "scan"),
+        (256, 1023, 2, "scan"),
         (4, 128, 4, "doubling"),
         (4, 127, 4, "scan"),
         (16, 16, 8, "doubling"),
