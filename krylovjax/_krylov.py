@@ -18,9 +18,8 @@ from ._doubling import (
     krylov_doubling,
     krylov_doubling_custom_vjp,
 )
-from ._operator import DenseOperator, as_operator
+from ._operator import DenseOperator, DenseRowsOperator, as_operator
 from ._scan import (
-    krylov_block_tail_custom_vjp,
     krylov_custom_jvp,
     krylov_scan,
     krylov_tail_custom_vjp,
@@ -156,11 +155,10 @@ def krylov(
         adjoint == "custom_vjp" and isinstance(operator, DenseOperator) and x0.ndim == 2
     ):
         # A dense matrix and a block: the scan runs on the block's transpose, one
-        # vector per row (see `krylov_block_tail_custom_vjp`).
+        # vector per row (see `DenseRowsOperator`).
         z0 = x0.T
-        zs = jnp.concatenate(
-            [z0[None], krylov_block_tail_custom_vjp((operator.matrix, z0), d)]
-        )
+        rows = DenseRowsOperator(operator.matrix.T)
+        zs = jnp.concatenate([z0[None], krylov_tail_custom_vjp((rows, z0), d)])
         return jnp.transpose(zs, (2, 0, 1) if layout == "columns" else (0, 2, 1))
     elif adjoint == "custom_vjp":
         tail = krylov_tail_custom_vjp((operator, x0), d)

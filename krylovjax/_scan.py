@@ -26,8 +26,8 @@ saves nothing but its own output; the operator and $x_0$ are the primal inputs. 
 output and adjoint buffer thus have $d - 1$ rows each, the same as the residuals and
 cotangents of plain autodiff through the scan.
 
-For a dense matrix and a block $x_0$ of shape `(n, b)`, `krylov_block_tail_custom_vjp`
-runs the same rule on the block's transpose, one vector per row, so that both stacks
+For a dense matrix and a block $x_0$ of shape `(n, b)`, `krylov` runs the same rule on
+the block's transpose, one vector per row (`DenseRowsOperator`), so that both stacks
 are `((d - 1) b, n)` matrices as they lie in memory and the gradient GEMM reads them
 without copying.
 
@@ -125,72 +125,6 @@ def _krylov_bwd(tail, g_tail, perturbed, vjp_arg, d):
             lambda _: None, eqx.filter(operator, eqx.is_inexact_array)
         )
     return grad_operator, grad_x0
-
-
-@eqx.filter_custom_vjp
-def krylov_block_tail_custom_vjp(vjp_arg: tuple[Array, Array], d: int) -> Array:
-    r"""The tail for a dense matrix and a block, one vector per row of the carry.
-
-    `vjp_arg` is `(matrix, z0)` with `z0` $= X_0^\top$ of shape `(b, n)`; returns
-    $[X_1^\top, \dots, X_{d-1}^\top]$ stacked to `(d - 1, b, n)`. The same rule as
-    `krylov_tail_custom_vjp`, with the block's vectors as rows: the stacks of the
-    vectors and of the adjoints are then `(d - 1) b` rows of length `n`, contiguous,
-    so the gradient of the matrix is one GEMM that contracts their two leading axes
-    in place. With the vectors as columns, `(d - 1, n, b)`, XLA copies both stacks
-    into a GEMM layout first (1.5x plain scan's temporary memory).
-    """
-    matrix, z0 = vjp_arg
-    # z A^T with A^T formed once, outside the loop: a plain product every step.
-    transposed = matrix.T
-
-    def step(z, _):
-        y = keep_sharding(z @ transposed, z)
-        return y, y
-
-    _, tail = lax.scan(step, z0, length=d - 1)
-    return tail
-
-
-@krylov_block_tail_custom_vjp.def_fwd
-def _block_fwd(perturbed, vjp_arg, d):
-    del perturbed
-    tail = krylov_block_tail_custom_vjp.fn(vjp_arg, d)
-    return tail, tail
-
-
-@krylov_block_tail_custom_vjp.def_bwd
-def _block_bwd(tail, g_tail, perturbed, vjp_arg, d):
-    matrix, z0 = vjp_arg
-    matrix_perturbed, _ = perturbed
-    if g_tail is None:
-        g_tail = jnp.zeros_like(tail)
-    # Rows: the adjoint recurrence is lam_i^T = g_i^T + lam_(i+1)^T A.
-    lam_shifted, lam1 = adjoint_scan(lambda y: y @ matrix, g_tail)
-    grad_z0 = keep_sharding(lam1 @ matrix, z0)
-    grad_matrix = None
-    if matrix_perturbed:
-        # sum_i lam_i x_(i-1)^T over the stack and the block: both stacks as
-        # ((d - 1) b, n) matrices (a reshape without copy), one GEMM contracting
-        # their rows, then the pair (lam_1, x_0). On an explicit mesh with the block
-        # axis sharded that reshape is not expressible; there both axes are
-        # contracted directly (for which XLA copies the adjoint stack once).
-        sharding = jax.typeof(matrix).sharding
-        spec = jax.typeof(tail).sharding.spec
-        if len(spec) > 1 and spec[1] is not None:
-            lhs, rhs, axes = lam_shifted, tail, (0, 1)
-        else:
-            lhs, rhs, axes = (
-                lam_shifted.reshape(-1, z0.shape[1]),
-                tail.reshape(-1, z0.shape[1]),
-                (0,),
-            )
-        grad_matrix = lax.dot_general(
-            lhs, rhs, ((axes, axes), ((), ())), out_sharding=sharding
-        )
-        grad_matrix = grad_matrix + lax.dot_general(
-            lam1, z0, (((0,), (0,)), ((), ())), out_sharding=sharding
-        )
-    return grad_matrix, grad_z0
 
 
 def adjoint_scan(
