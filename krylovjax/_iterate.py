@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
 
-from ._checks import as_array, check_choice, check_depth
+from ._checks import as_array, check_choice, check_depth, check_output_size
 
 ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
 _State = TypeVar("_State")
@@ -93,7 +93,7 @@ def iterate(
     """
     d = check_depth(d, "iterate")
     check_choice(adjoint, ADJOINTS, "iterate(adjoint=...)")
-    x0 = _as_state(x0)
+    x0 = _as_state(x0, d)
     if not callable(step):
         msg = (
             f"`iterate(step=...)` must be callable; got an object of type "
@@ -111,12 +111,14 @@ def iterate(
     return iterate_scan(step, x0, d)
 
 
-def _as_state(x0: Any) -> Any:
+def _as_state(x0: Any, d: int) -> Any:
+    # `None` is an empty subtree, not a leaf: it passes through untouched.
     leaves, treedef = jtu.tree_flatten(x0)
     if not leaves:
         msg = "`iterate(x0=...)` must hold at least one array; got an empty pytree."
         raise ValueError(msg)
     leaves = [as_array(leaf, "iterate(x0=...)") for leaf in leaves]
+    check_output_size(d, leaves, "iterate")
     return jtu.tree_unflatten(treedef, leaves)
 
 
@@ -128,17 +130,19 @@ def _check_step_output(out: Any, x0: Any) -> None:
             f"{jtu.tree_structure(x0_struct)}; it returned {jtu.tree_structure(out)}."
         )
         raise TypeError(msg)
-    for got, want in zip(jtu.tree_leaves(out), jtu.tree_leaves(x0_struct), strict=True):
+    wants = jtu.tree_leaves_with_path(x0_struct)
+    for got, (path, want) in zip(jtu.tree_leaves(out), wants, strict=True):
+        where = f"`x0{jtu.keystr(path)}`"
         if got.shape != want.shape:
             msg = (
                 f"`iterate(step=...)` must return arrays of the same shapes as `x0`; "
-                f"expected shape {want.shape}, got {got.shape}."
+                f"expected shape {want.shape}, got {got.shape} for the leaf {where}."
             )
             raise ValueError(msg)
         if got.dtype != want.dtype:
             msg = (
                 f"`iterate(step=...)` must return arrays of the same dtypes as `x0`; "
-                f"expected dtype {want.dtype}, got {got.dtype}."
+                f"expected dtype {want.dtype}, got {got.dtype} for the leaf {where}."
             )
             raise TypeError(msg)
 
@@ -173,8 +177,11 @@ def _iterate_bwd(xs, g, perturbed, vjp_arg, d):
     step_perturbed, _ = perturbed
     g = jtu.tree_map(
         # The cotangent may arrive as a NumPy array (e.g. `vjp_fn(np.ones(...))`),
-        # which cannot be indexed by the traced step counter below.
-        lambda x, gx: jnp.zeros_like(x) if gx is None else jnp.asarray(gx),
+        # which cannot be indexed by the traced step counter below. A `None` in the
+        # state is no array and has no cotangent: it stays `None`.
+        lambda x, gx: (
+            None if x is None else jnp.zeros_like(x) if gx is None else jnp.asarray(gx)
+        ),
         xs,
         g,
         is_leaf=lambda v: v is None,

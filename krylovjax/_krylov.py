@@ -10,7 +10,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact
 
-from ._checks import as_array, check_choice, check_depth
+from ._checks import as_array, check_choice, check_depth, check_output_size
 from ._doubling import (
     check_doubling,
     choose_method,
@@ -133,6 +133,7 @@ def krylov(
     if x0.ndim == 0:
         msg = "`krylov(x0=...)` must have at least one axis; got a scalar of shape ()."
         raise ValueError(msg)
+    check_output_size(d, [x0], "krylov")
     operator, x0 = as_operator(A, x0, "krylov")
     if method == "doubling":
         check_doubling(operator)

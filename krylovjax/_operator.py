@@ -23,17 +23,20 @@ Every operator offers the four things the forward and reverse passes need:
   batched VJP for a callable) rather than $k$ sequential rank-one updates.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import sparse
 from jaxtyping import Array, Inexact, Shaped
 
 from ._checks import check_inexact
+from ._linearity import check_linear
 
 
 class AbstractOperator(eqx.Module):
@@ -126,7 +129,9 @@ class DenseRowsOperator(AbstractOperator):
         if len(spec) > 1 and spec[1] is not None:
             lhs, rhs, axes = xs, cts, (0, 1)
         else:
-            lhs, rhs, axes = xs.reshape(-1, n), cts.reshape(-1, n), (0,)
+            # An explicit row count: `-1` is ambiguous for an empty block (b = 0).
+            rows = math.prod(xs.shape[:-1])
+            lhs, rhs, axes = xs.reshape(rows, n), cts.reshape(rows, n), (0,)
         grad = lax.dot_general(
             lhs,
             rhs,
@@ -170,7 +175,8 @@ class SparseOperator(AbstractOperator):
 
 def _as_columns(xs: Shaped[Array, "k n *b"]) -> Shaped[Array, "n k*b"]:
     """Stack of k inputs (k, n, *b) -> one (n, k*prod(b)) matrix."""
-    return jnp.moveaxis(xs, 0, 1).reshape(xs.shape[1], -1)
+    columns = xs.shape[0] * math.prod(xs.shape[2:])
+    return jnp.moveaxis(xs, 0, 1).reshape(xs.shape[1], columns)
 
 
 class FunctionOperator(AbstractOperator):
@@ -184,8 +190,8 @@ class FunctionOperator(AbstractOperator):
     def transpose(self, like: Array) -> Callable[[Array], Array]:
         # The operator is linear, so its VJP at any point is A^T. Linearise once, at
         # zero, outside of any loop; the returned function is reused at every step.
-        _, vjp = jax.vjp(self.fn, jnp.zeros_like(like))
-        return lambda y: vjp(y)[0]
+        out, vjp = jax.vjp(self.fn, jnp.zeros_like(like))
+        return lambda y: vjp(self._like(y, out))[0]
 
     def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
         diff, static = eqx.partition(self.fn, eqx.is_inexact_array)
@@ -193,15 +199,31 @@ class FunctionOperator(AbstractOperator):
         def apply(diff):
             return jax.vmap(eqx.combine(diff, static))(xs)
 
-        _, vjp = jax.vjp(apply, diff)
-        (grad,) = vjp(cts)
+        out, vjp = jax.vjp(apply, diff)
+        (grad,) = vjp(self._like(cts, out))
         return _cotangent(FunctionOperator(grad))
+
+    @staticmethod
+    def _like(ct: Array, out: Array) -> Array:
+        """`ct` with the sharding type of `out`; a no-op unless the mesh is `Explicit`.
+
+        A VJP takes cotangents typed exactly like the function's output. On an
+        explicit mesh the sharding is part of that type, and a callable's output need
+        not be sharded like its input: `lambda v: A @ v` with a row-sharded `A` gives
+        a row-sharded vector even for a replicated `v`, while the cotangents (the
+        adjoint vectors) keep `x0`'s sharding.
+        """
+        sharding = jax.typeof(out).sharding
+        if jax.typeof(ct).sharding == sharding:
+            return ct
+        return jax.sharding.reshard(ct, sharding)
 
 
 def _describe(x: Any) -> str:
-    if isinstance(x, jax.ShapeDtypeStruct | jax.Array) or hasattr(x, "dtype"):
-        return f"shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"an object of type {type(x).__name__}"
+    kind = f"an object of type {type(x).__name__}"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{kind} with shape {tuple(x.shape)} and dtype {x.dtype}"
+    return kind
 
 
 def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Array]:
@@ -209,9 +231,18 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
 
     For a matrix `A` (dense or BCOO) the dtypes of `A` and `x0` are promoted to their
     common type (`jnp.result_type`), so a complex matrix with a real `x0` gives a
-    complex Krylov matrix. A callable must itself return `x0`'s shape and dtype.
+    complex Krylov matrix; weak types count as in JAX's own `A @ x0` (a weakly typed
+    `x0` takes the matrix's dtype). A callable must itself return `x0`'s shape and
+    dtype, and be linear: nonlinear and affine maps raise a `TypeError`.
     """
     arg = f"{fn_name}(A=...)"
+    hint = _unsupported(A)
+    if hint is not None:
+        msg = (
+            f"`{arg}` must be a square array, a `jax.experimental.sparse.BCOO` matrix "
+            f"or a callable; got {hint}"
+        )
+        raise TypeError(msg)
     if isinstance(A, sparse.BCOO):
         _check_matrix_shape(A.shape, x0, fn_name)
         if A.n_batch != 0 or A.n_dense != 0:
@@ -221,15 +252,16 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
             )
             raise ValueError(msg)
         check_inexact(A.data, arg)
-        dtype = jnp.result_type(A.dtype, x0.dtype)
+        dtype = jnp.result_type(A.data, x0)
         data = A.data.astype(dtype)
         matrix = sparse.BCOO((data, A.indices), shape=A.shape)
         return SparseOperator(matrix), x0.astype(dtype)
     if isinstance(A, jax.Array | jax.core.Tracer) or _is_numpy_array(A):
-        A = jnp.asarray(A)
         _check_matrix_shape(A.shape, x0, fn_name)
+        # Before `jnp.asarray`, which turns int64 into int32 when x64 is disabled.
         check_inexact(A, arg)
-        dtype = jnp.result_type(A.dtype, x0.dtype)
+        A = jnp.asarray(A)
+        dtype = jnp.result_type(A, x0)
         return DenseOperator(A.astype(dtype)), x0.astype(dtype)
     if callable(A):
         fn = eqx.filter_closure_convert(A, x0)
@@ -252,12 +284,37 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
                 f"as `x0`, {x0.dtype}; it returned dtype {out.dtype}."
             )
             raise TypeError(msg)
+        check_linear(fn, x0, arg)
         return FunctionOperator(fn), x0
     msg = (
         f"`{arg}` must be a square array, a `jax.experimental.sparse.BCOO` matrix or "
         f"a callable; got {_describe(A)}."
     )
     raise TypeError(msg)
+
+
+def _unsupported(A: Any) -> str | None:
+    """Describe a matrix type that `krylov` does not take, and how to convert it."""
+    kind = type(A).__name__
+    if type(A).__module__.startswith("scipy.sparse"):
+        return (
+            f"a SciPy sparse matrix of type {kind}. Convert it with "
+            f"`jax.experimental.sparse.BCOO.from_scipy_sparse(A)`."
+        )
+    if isinstance(A, sparse.BCSR):
+        return "a `jax.experimental.sparse.BCSR` matrix. Convert it with `A.to_bcoo()`."
+    if isinstance(A, sparse.JAXSparse) and not isinstance(A, sparse.BCOO):
+        return (
+            f"a `jax.experimental.sparse` matrix of type {kind}. Convert it with "
+            f"`jax.experimental.sparse.BCOO.fromdense(A.todense())`."
+        )
+    if isinstance(A, np.ma.MaskedArray):
+        return (
+            "a NumPy masked array, whose masked entries have no value to use. Fill "
+            "them explicitly, e.g. `np.ma.filled(A, 0)` for a matrix that is zero "
+            "there."
+        )
+    return None
 
 
 def _is_numpy_array(A: Any) -> bool:
