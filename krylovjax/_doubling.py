@@ -13,10 +13,11 @@ $n \times n \times n$ plus $n^2 d$ work spread over the levels; every product is
 large GEMM, so the method pays off when $A$ is small and $d$ is large, where the
 sequential scan is dominated by per-step overhead.
 
-Everything works on the Krylov matrix in the columns layout flattened to one
-$(n, d b)$ matrix $[X_0 \mid A X_0 \mid \dots]$ for a block $X_0$ of $b$ columns,
-so every level is one GEMM $P X_{[:, :m]}$ on a contiguous column range, appended
-by concatenation; `layout="rows"` transposes once at the end.
+Everything works on the Krylov matrix in the columns layout, `(n, d)` for a vector
+and `(n, d, b)` for a block $X_0$ of $b$ columns, which in memory is the flattened
+$(n, d b)$ matrix $[X_0 \mid A X_0 \mid \dots]$: every level is one GEMM
+$P X_{[:, :m]}$ on a contiguous range of vectors, appended by concatenation;
+`layout="rows"` transposes once at the end.
 
 The reverse pass (its own `equinox.filter_custom_vjp`) is parallel in time too:
 
@@ -52,7 +53,10 @@ A callable operator has no matrix to square, so it is rejected.
 
 All matrix products here use `jax.lax.Precision.HIGHEST`: on accelerators whose
 default float32 matrix product rounds to fewer bits, high powers $A^{2^k}$ would
-otherwise lose accuracy that the scan keeps.
+otherwise lose accuracy that the scan keeps. Each also names the sharding of its
+result, so that on an `Explicit` mesh the Krylov matrix keeps the sharding of $x_0$
+(a block may be split along $b$) and the powers and the gradient of $A$ keep that
+of $A$ (which may be split by rows).
 """
 
 import math
@@ -252,34 +256,75 @@ def choose_method(
 
 # ------------------------------------------------------------------------- forward
 #
-# Everything below works on the Krylov matrix in the columns layout, flattened to
-# one (n, d*b) matrix [X_0 | A X_0 | ... | A^(d-1) X_0] for a block X_0 of b
-# columns (b = 1 for a vector x0): vector k of block column j is column k*b + j.
-# Every level is then a plain GEMM on a contiguous column range, with no transposes.
+# Everything below works on the Krylov matrix in the columns layout, `krylov`'s
+# own output: an (n, d) array [x_0, A x_0, ...] for a vector x0, and an (n, d, b)
+# array [X_0 | A X_0 | ...] for a block X_0 of b columns. In memory the latter is
+# the flattened (n, d*b) block Krylov matrix, and every level is a plain GEMM on a
+# contiguous range of the middle axis, with no transposes. The block axis is kept
+# apart so that a block sharded along it stays sharded along it: flattened, a
+# sharding of the (n, d*b) matrix would split the vectors, not the block.
+#
+# Every product names its result's sharding (`out_sharding`): the buffer keeps the
+# sharding of x0 and every matrix that of A. Without a mesh, and on an `Auto` mesh,
+# this changes nothing; on an `Explicit` mesh, where the sharding is part of an
+# array's type, it is what lets a row-sharded A multiply a replicated x0 (the
+# product would be typed row-sharded) and a block sharded along b contract its
+# block axis for the gradient of A (a sum over devices).
+
+
+def _dot(lhs: Array, rhs: Array, contract: tuple, like: Array) -> Array:
+    """`lax.dot_general` at the highest precision, with `like`'s sharding."""
+    return lax.dot_general(
+        lhs,
+        rhs,
+        (contract, ((), ())),
+        precision=_HIGHEST,
+        out_sharding=jax.typeof(like).sharding,
+    )
 
 
 def _mm(P: Array, X: Array) -> Array:
-    return jnp.matmul(P, X, precision=_HIGHEST)
+    """$P X$ for `X` of shape `(n, m, *b)`."""
+    return _dot(P, X, ((1,), (0,)), X)
 
 
 def _mm_transpose(P: Array, X: Array) -> Array:
     r"""$P^\top X$, contracting $P$'s first axis (no transposed copy of $P$)."""
-    return lax.dot_general(P, X, (((0,), (0,)), ((), ())), precision=_HIGHEST)
+    return _dot(P, X, ((0,), (0,)), X)
 
 
 def _square(P: Array) -> Array:
-    return jnp.matmul(P, P, precision=_HIGHEST)
+    return _dot(P, P, ((1,), (0,)), P)
 
 
-def _flatten(x0: Array) -> Array:
-    """`x0` of shape `(n, *b)` as an `(n, prod(b))` matrix."""
-    return x0.reshape(x0.shape[0], math.prod(x0.shape[1:]))
+def _outer(C: Array, X: Array, like: Array) -> Array:
+    r"""$\sum_k C_{:, k} X_{:, k}^\top$, contracting the vectors and any block axis."""
+    if C.ndim == 3 and _block_unsharded(C):
+        # As (n, m*b) matrices (a reshape without copy): contracting both axes of
+        # the 3-D arrays makes XLA transpose one of them first.
+        C = C.reshape(C.shape[0], C.shape[1] * C.shape[2])
+        X = X.reshape(X.shape[0], X.shape[1] * X.shape[2])
+    axes = tuple(range(1, C.ndim))
+    return _dot(C, X, (axes, axes), like)
 
 
-def _lay_out(xs: Array, x0: Array, d: int, layout: str) -> Array:
-    """The `(n, d*b)` Krylov matrix in `krylov`'s `layout`, for `x0` of `(n, *b)`."""
-    cols = xs.reshape(x0.shape[0], d, *x0.shape[1:])
-    return cols if layout == "columns" else jnp.moveaxis(cols, 1, 0)
+def _block_unsharded(X: Array) -> bool:
+    """Whether the block axis of `X`, `(n, m, b)`, is known to lie on one device.
+
+    True without a mesh, and on an `Explicit` mesh when its type says so. On an
+    `Auto` mesh the type does not say, and merging a block axis that the compiler
+    has split with the vectors' axis would make it gather the block at every level.
+    """
+    sharding = jax.typeof(X).sharding
+    if sharding.mesh.empty:
+        return True
+    spec = sharding.spec
+    return sharding.mesh.are_all_axes_explicit and (len(spec) < 3 or spec[2] is None)
+
+
+def _lay_out(xs: Array, layout: str) -> Array:
+    """The `(n, d, *b)` buffer in `krylov`'s `layout`."""
+    return xs if layout == "columns" else jnp.moveaxis(xs, 1, 0)
 
 
 def _levels(d: int) -> list[tuple[int, int]]:
@@ -301,14 +346,13 @@ def _powers(matrix: Array, d: int) -> list[Array]:
 
 
 def _forward_columns(
-    matrix: Inexact[Array, "n n"], x0: Inexact[Array, "n b"], d: int
-) -> Inexact[Array, "n d*b"]:
-    """The forward pass by doubling on the flattened columns layout."""
-    b = x0.shape[1]
+    matrix: Inexact[Array, "n n"], x0: Inexact[Array, "n 1 *b"], d: int
+) -> Inexact[Array, "n d *b"]:
+    """The forward pass by doubling on the `(n, d, *b)` columns layout."""
     xs = x0
     for power, (_, m) in zip(_powers(matrix, d), _levels(d), strict=True):
         # Concatenation measured faster than writing into a preallocated buffer.
-        xs = jnp.concatenate([xs, _mm(power, xs[:, : m * b])], axis=1)
+        xs = jnp.concatenate([xs, _mm(power, xs[:, :m])], axis=1)
     return xs
 
 
@@ -319,46 +363,42 @@ def krylov_doubling(
     layout: Literal["columns", "rows"] = "columns",
 ) -> Inexact[Array, "..."]:
     """The forward pass by doubling, differentiated by JAX, laid out by `layout`."""
-    return _lay_out(_forward_columns(matrix, _flatten(x0), d), x0, d, layout)
+    return _lay_out(_forward_columns(matrix, x0[:, None], d), layout)
 
 
 def adjoint_doubling(
     matrix: Inexact[Array, "n n"],
-    xs: Inexact[Array, "n d*b"],
-    g: Inexact[Array, "n d*b"],
-    b: int,
+    xs: Inexact[Array, "n d *b"],
+    g: Inexact[Array, "n d *b"],
     matrix_grad: bool = True,
-) -> tuple[Inexact[Array, "n b"], Inexact[Array, "n n"] | None]:
+) -> tuple[Inexact[Array, "n 1 *b"], Inexact[Array, "n n"] | None]:
     r"""The reverse pass: the gradients of $x_0$ and of the dense matrix $A$.
 
-    `xs` (the forward output) and its cotangent `g` are in the flattened columns
-    layout, `b` columns a vector. Transposes the forward levels when the
-    $\lceil \log_2 d \rceil$ powers fit in twice the memory of the buffer and one
-    matrix, and uses the Hillis-Steele scan (one power alive at a time) otherwise.
-    The matrix gradient is `None` unless `matrix_grad`.
+    `xs` (the forward output) and its cotangent `g` are in the `(n, d, *b)` columns
+    layout. Transposes the forward levels when the $\lceil \log_2 d \rceil$ powers
+    fit in twice the memory of the buffer and one matrix, and uses the
+    Hillis-Steele scan (one power alive at a time) otherwise. The matrix gradient
+    is `None` unless `matrix_grad`. An empty block (`b = 0`) has zero gradients.
     """
     n = g.shape[0]
-    d = g.shape[1] // b
-    if n * n * len(_levels(d)) <= 2 * (g.size + n * n):
-        return _reverse_levels(matrix, xs, g, b, matrix_grad)
-    lam = _suffix_scan_hillis_steele(matrix, g, b)
+    if n * n * len(_levels(g.shape[1])) <= 2 * (g.size + n * n):
+        return _reverse_levels(matrix, xs, g, matrix_grad)
+    lam = _suffix_scan_hillis_steele(matrix, g)
     grad_matrix = None
     if matrix_grad:
-        # sum_k lam_(k+1) x_k^T as one GEMM over contiguous column ranges.
-        grad_matrix = lax.dot_general(
-            lam[:, b:], xs[:, :-b], (((1,), (1,)), ((), ())), precision=_HIGHEST
-        )
-    return lam[:, :b], grad_matrix
+        # sum_k lam_(k+1) x_k^T as one GEMM over contiguous ranges.
+        grad_matrix = _outer(lam[:, 1:], xs[:, :-1], matrix)
+    return lam[:, :1], grad_matrix
 
 
 def _reverse_levels(
-    matrix: Array, xs: Array, g: Array, b: int, matrix_grad: bool
+    matrix: Array, xs: Array, g: Array, matrix_grad: bool
 ) -> tuple[Array, Array | None]:
     # Level (k, m) computed X[:, k:k+m] = P X[:, :m] with P = A^k; its transpose
     # adds P^T C[:, k:k+m] to the cotangent C[:, :m] and P's cotangent gains
     # C[:, k:k+m] X[:, :m]^T. P = Q^2 for the previous level's Q passes a
     # cotangent G to Q as G Q^T + Q^T G.
-    d = g.shape[1] // b
+    d = g.shape[1]
     ct = g
     grad_power = None
     levels = _levels(d)
@@ -366,34 +406,30 @@ def _reverse_levels(
     for i in reversed(range(len(levels))):
         k, m = levels[i]
         power = powers[i]
-        out = ct[:, k * b : (k + m) * b]
-        head = ct[:, : m * b] + _mm_transpose(power, out)
-        ct = head if m == k else jnp.concatenate([head, ct[:, m * b : k * b]], axis=1)
+        out = ct[:, k : k + m]
+        head = ct[:, :m] + _mm_transpose(power, out)
+        ct = head if m == k else jnp.concatenate([head, ct[:, m:k]], axis=1)
         if matrix_grad:
-            grad = lax.dot_general(
-                out, xs[:, : m * b], (((1,), (1,)), ((), ())), precision=_HIGHEST
-            )
+            grad = _outer(out, xs[:, :m], matrix)
             if grad_power is not None:
                 # The next level's power is this one squared.
-                grad = grad + lax.dot_general(
-                    grad_power, power, (((1,), (1,)), ((), ())), precision=_HIGHEST
-                )
+                grad = grad + _dot(grad_power, power, ((1,), (1,)), matrix)
                 grad = grad + _mm_transpose(power, grad_power)
             grad_power = grad
     if matrix_grad and grad_power is None:
         grad_power = jnp.zeros_like(matrix)
-    return ct[:, :b], grad_power
+    return ct[:, :1], grad_power
 
 
-def _suffix_scan_hillis_steele(matrix: Array, g: Array, b: int = 1) -> Array:
-    r"""All $\lambda_i = \sum_{j \ge i} (A^\top)^{j-i} g_j$, columns layout."""
-    d = g.shape[1] // b
+def _suffix_scan_hillis_steele(matrix: Array, g: Array) -> Array:
+    r"""All $\lambda_i = \sum_{j \ge i} (A^\top)^{j-i} g_j$, `(n, d, *b)` layout."""
+    d = g.shape[1]
     lam = g
     power = matrix
     shift = 1
     while shift < d:
-        update = _mm_transpose(power, lam[:, shift * b :])
-        lam = lam.at[:, : (d - shift) * b].add(update)
+        update = _mm_transpose(power, lam[:, shift:])
+        lam = lam.at[:, : d - shift].add(update)
         shift *= 2
         if shift < d:
             power = _square(power)
@@ -415,14 +451,12 @@ def _doubling_fwd(perturbed, vjp_arg, d):
 
 @_doubling_columns.def_bwd
 def _doubling_bwd(xs, g, perturbed, vjp_arg, d):
-    operator, x0 = vjp_arg
+    operator, _ = vjp_arg
     operator_perturbed, _ = perturbed
     if g is None:
         g = jnp.zeros_like(xs)
     matrix_grad = any(jtu.tree_leaves(operator_perturbed))
-    grad_x0, grad_matrix = adjoint_doubling(
-        dense_matrix(operator), xs, g, x0.shape[1], matrix_grad
-    )
+    grad_x0, grad_matrix = adjoint_doubling(dense_matrix(operator), xs, g, matrix_grad)
     diff, static = eqx.partition(operator, eqx.is_inexact_array)
     if matrix_grad:
         # Through `dense_matrix`: the matrix itself, or for a BCOO matrix its
@@ -441,5 +475,4 @@ def krylov_doubling_custom_vjp(
 ) -> Array:
     """The forward pass by doubling with its own reverse pass, laid out by `layout`."""
     operator, x0 = vjp_arg
-    xs = _doubling_columns((operator, _flatten(x0)), d)
-    return _lay_out(xs, x0, d, layout)
+    return _lay_out(_doubling_columns((operator, x0[:, None]), d), layout)

@@ -2,17 +2,20 @@
 
 `tests/test_sharding.py` runs this file in a subprocess, because the number of host
 devices (`XLA_FLAGS=--xla_force_host_platform_device_count=4`) is fixed when JAX
-starts. It prints one JSON line: a list of records, one per
+starts. It prints one JSON line: a list of records, one per case of `cases()`:
 
     mesh axis type ("auto", "explicit")
     x operands ("rows": A row-sharded, x0 of shape (n,) replicated;
                 "batch": A replicated, x0 of shape (n, b) sharded along b)
-    x layout ("columns", "rows") x adjoint ("custom_vjp", "custom_jvp", "autodiff").
+    x operator ("matrix": A itself; "callable": `lambda v: A @ v`, closing over A)
+    x method ("scan", "doubling") x layout ("columns", "rows")
+    x adjoint ("custom_vjp", "custom_jvp", "autodiff")
 
-Each record holds the largest relative differences between the sharded and the
-single-device computation (forward, gradient of A, gradient of x0), the output's
-sharding, and whether the gradient of A has A's sharding; or the error raised.
-Everything runs in float64.
+(not every combination: see `cases()`). Each record holds the largest relative
+differences between the sharded and the single-device computation (forward,
+gradient of A, gradient of x0), the output's sharding, whether the gradient of A has
+A's sharding, and for doubling's own reverse pass which of its two schemes ran; or
+the error raised. Everything runs in float64.
 """
 
 import functools
@@ -31,35 +34,114 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import krylovjax  # noqa: E402
+from krylovjax import _doubling  # noqa: E402
 
 N, B, D = 16, 4, 6
 MESHES = ("auto", "explicit")
 OPERANDS = ("rows", "batch")
 LAYOUTS = ("columns", "rows")
 ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
+# Problems (operands, n, d) on which doubling's own reverse pass takes the scheme it
+# is listed with, so that both schemes run on both kinds of sharded operands. With
+# the default sizes, (rows, 16, 6) takes Hillis-Steele and (batch, 16, 6) the levels.
+DOUBLING_SCHEMES = (
+    ("rows", N, 32, "levels"),
+    ("batch", 64, 5, "hillis_steele"),
+)
 
 
-def _problem(operands: str) -> tuple[jax.Array, jax.Array, P, P]:
+def cases() -> list[dict]:
+    """Every case, as the keyword arguments of `_run_case`.
+
+    The scan with a matrix and with a callable, every layout and adjoint; doubling
+    with a matrix, every layout and both of its adjoints; and doubling's custom
+    reverse pass on the problems of `DOUBLING_SCHEMES`.
+    """
+    out = []
+    for mesh in MESHES:
+        for operands in OPERANDS:
+            for operator, method, layouts, adjoints in (
+                ("matrix", "scan", LAYOUTS, ADJOINTS),
+                ("callable", "scan", ("columns",), ADJOINTS),
+                ("matrix", "doubling", LAYOUTS, ("custom_vjp", "autodiff")),
+            ):
+                for layout in layouts:
+                    for adjoint in adjoints:
+                        out.append(
+                            dict(
+                                mesh=mesh,
+                                operands=operands,
+                                operator=operator,
+                                method=method,
+                                layout=layout,
+                                adjoint=adjoint,
+                                n=N,
+                                d=D,
+                            )
+                        )
+        for operands, n, d, _ in DOUBLING_SCHEMES:
+            out.append(
+                dict(
+                    mesh=mesh,
+                    operands=operands,
+                    operator="matrix",
+                    method="doubling",
+                    layout="columns",
+                    adjoint="custom_vjp",
+                    n=n,
+                    d=d,
+                )
+            )
+    return out
+
+
+def case_id(case: dict) -> str:
+    keys = ("mesh", "operands", "operator", "method", "layout", "adjoint")
+    return "-".join(case[k] for k in keys) + f"-n{case['n']}-d{case['d']}"
+
+
+def _problem(operands: str, n: int) -> tuple[jax.Array, jax.Array, P, P]:
     """Return A, x0 and their partition specs over a 1-D mesh axis named "x"."""
     key_a, key_x = jax.random.split(jax.random.key(0))
     # Scaled so that the powers of A stay of order one.
-    A = jax.random.normal(key_a, (N, N), dtype=jnp.float64) / jnp.sqrt(N)
+    A = jax.random.normal(key_a, (n, n), dtype=jnp.float64) / jnp.sqrt(n)
     if operands == "rows":
-        x0 = jax.random.normal(key_x, (N,), dtype=jnp.float64)
+        x0 = jax.random.normal(key_x, (n,), dtype=jnp.float64)
         return A, x0, P("x", None), P()
-    x0 = jax.random.normal(key_x, (N, B), dtype=jnp.float64)
+    x0 = jax.random.normal(key_x, (n, B), dtype=jnp.float64)
     return A, x0, P(), P(None, "x")
 
 
-def _functions(layout: str, adjoint: str):
+def _functions(operator: str, method: str, layout: str, adjoint: str, d: int):
     def forward(A, x0):
-        return krylovjax.krylov(A, x0, D, layout=layout, adjoint=adjoint)
+        op = A if operator == "matrix" else (lambda v: A @ v)
+        return krylovjax.krylov(
+            op, x0, d, layout=layout, adjoint=adjoint, method=method
+        )
 
     def loss(A, x0):
         # A nonlinear loss, so that the output cotangent is not a constant.
         return jnp.sum(jnp.sin(forward(A, x0)))
 
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+# Which reverse scheme of doubling's custom rule ran while tracing the last case.
+_SCHEMES: list[str] = []
+
+
+def _spy(name: str, fn):
+    def wrapped(*args, **kwargs):
+        _SCHEMES.append(name)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+_doubling._reverse_levels = _spy("levels", _doubling._reverse_levels)
+_doubling._suffix_scan_hillis_steele = _spy(
+    "hillis_steele", _doubling._suffix_scan_hillis_steele
+)
 
 
 def _relative_error(x: jax.Array, ref: jax.Array) -> float:
@@ -78,34 +160,49 @@ def _describe(sharding: jax.sharding.Sharding) -> dict:
 
 
 @functools.cache
-def _reference(operands: str, layout: str, adjoint: str) -> tuple[np.ndarray, ...]:
+def _reference(
+    operands: str, operator: str, method: str, layout: str, adjoint: str, n: int, d: int
+) -> tuple[np.ndarray, ...]:
     """Values and gradients on a single device, by the same jitted functions."""
-    A, x0, _, _ = _problem(operands)
-    forward, grad = _functions(layout, adjoint)
+    A, x0, _, _ = _problem(operands, n)
+    forward, grad = _functions(operator, method, layout, adjoint, d)
     one = jax.devices()[0]
     A, x0 = jax.device_put(A, one), jax.device_put(x0, one)
     return (forward(A, x0), *grad(A, x0))
 
 
-def _run_case(mesh_kind: str, operands: str, layout: str, adjoint: str) -> dict:
-    axis_type = AxisType.Explicit if mesh_kind == "explicit" else AxisType.Auto
-    mesh = jax.make_mesh((4,), ("x",), axis_types=(axis_type,))
-    A, x0, spec_A, spec_x0 = _problem(operands)
-    forward, grad = _functions(layout, adjoint)
+def _run_case(
+    mesh: str,
+    operands: str,
+    operator: str,
+    method: str,
+    layout: str,
+    adjoint: str,
+    n: int,
+    d: int,
+) -> dict:
+    axis_type = AxisType.Explicit if mesh == "explicit" else AxisType.Auto
+    device_mesh = jax.make_mesh((4,), ("x",), axis_types=(axis_type,))
+    A, x0, spec_A, spec_x0 = _problem(operands, n)
+    forward, grad = _functions(operator, method, layout, adjoint, d)
 
-    ref_out, ref_gA, ref_gx = _reference(operands, layout, adjoint)
+    ref_out, ref_gA, ref_gx = _reference(
+        operands, operator, method, layout, adjoint, n, d
+    )
 
-    sharding_A = NamedSharding(mesh, spec_A)
+    sharding_A = NamedSharding(device_mesh, spec_A)
     As = jax.device_put(A, sharding_A)
-    x0s = jax.device_put(x0, NamedSharding(mesh, spec_x0))
-    record = {"mesh": mesh_kind, "operands": operands}
-    record.update(layout=layout, adjoint=adjoint, error=None)
+    x0s = jax.device_put(x0, NamedSharding(device_mesh, spec_x0))
+    record = dict(mesh=mesh, operands=operands, operator=operator, method=method)
+    record.update(layout=layout, adjoint=adjoint, n=n, d=d, error=None)
+    _SCHEMES.clear()
     try:
         out = forward(As, x0s)
         gA, gx = grad(As, x0s)
     except Exception as e:  # reported to the test, which fails with the message
         record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
         return record
+    record["schemes"] = sorted(set(_SCHEMES))
     record["out_error"] = _relative_error(out, ref_out)
     record["grad_A_error"] = _relative_error(gA, ref_gA)
     record["grad_x0_error"] = _relative_error(gx, ref_gx)
@@ -126,13 +223,7 @@ def main() -> list[dict]:
             f"got {jax.device_count()}."
         )
         raise RuntimeError(msg)
-    return [
-        _run_case(mesh_kind, operands, layout, adjoint)
-        for mesh_kind in MESHES
-        for operands in OPERANDS
-        for layout in LAYOUTS
-        for adjoint in ADJOINTS
-    ]
+    return [dict(_run_case(**case), id=case_id(case)) for case in cases()]
 
 
 if __name__ == "__main__":

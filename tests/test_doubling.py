@@ -92,11 +92,11 @@ def test_suffix_scan_matches_the_recurrence(d, block):
     lams = [g[-1]]
     for k in range(d - 2, -1, -1):
         lams.insert(0, g[k] + A.T @ lams[0])
-    # The scan works on the flattened columns layout (n, d*b), b columns a vector.
+    # The scan works on the columns layout (n, d, b), b columns a vector.
     b = 1 if block is None else block
-    want = jnp.moveaxis(jnp.stack(lams), 0, 1).reshape(N, d * b)
-    g = jnp.moveaxis(g, 0, 1).reshape(N, d * b)
-    hillis_steele = jax.jit(_suffix_scan_hillis_steele, static_argnums=2)(A, g, b)
+    want = jnp.moveaxis(jnp.stack(lams), 0, 1).reshape(N, d, b)
+    g = jnp.moveaxis(g, 0, 1).reshape(N, d, b)
+    hillis_steele = jax.jit(_suffix_scan_hillis_steele)(A, g)
     assert_trees_close(hillis_steele, want, **tol(jnp.float64))
 
 
@@ -112,11 +112,11 @@ def test_reverse_schemes_match_the_scan_vjp(d, block):
     )
     ct = random_array(jr.key(2), want_x.shape, jnp.float64)
     want_A, want_x0 = vjp(ct)
-    xs = want_x.reshape(N, d * b)
-    g = ct.reshape(N, d * b)
-    levels = jax.jit(_reverse_levels, static_argnums=(3, 4))(A, xs, g, b, True)
-    lam = jax.jit(_suffix_scan_hillis_steele, static_argnums=2)(A, g, b)
-    hillis_steele = (lam[:, :b], lam[:, b:] @ xs[:, :-b].T)
+    xs = want_x.reshape(N, d, b)
+    g = ct.reshape(N, d, b)
+    levels = jax.jit(_reverse_levels, static_argnums=3)(A, xs, g, True)
+    lam = jax.jit(_suffix_scan_hillis_steele)(A, g)
+    hillis_steele = (lam[:, :1], jnp.einsum("ikb,jkb->ij", lam[:, 1:], xs[:, :-1]))
     for grad_x0, grad_A in (levels, hillis_steele):
         assert_trees_close(grad_x0.reshape(x0.shape), want_x0, **tol(jnp.float64))
         assert_trees_close(grad_A, want_A, **tol(jnp.float64))
@@ -134,7 +134,7 @@ def test_adjoint_picks_a_scheme_by_memory():
         return wrapped
 
     A = random_matrix(jr.key(0), 12, jnp.float64)
-    g = random_array(jr.key(1), (12, 5), jnp.float64)
+    g = random_array(jr.key(1), (12, 5, 1), jnp.float64)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_doubling, "_reverse_levels", spy("levels", _reverse_levels))
         mp.setattr(
@@ -143,9 +143,68 @@ def test_adjoint_picks_a_scheme_by_memory():
             spy("hillis_steele", _suffix_scan_hillis_steele),
         )
         # 3 powers of 12 x 12 > 2 (5 * 12 + 12 * 12): Hillis-Steele; then levels.
-        jax.eval_shape(lambda A, g: adjoint_doubling(A, g, g, 1), A, g)
-        jax.eval_shape(lambda A, g: adjoint_doubling(A, g, g, 1), A[:4, :4], g[:4])
+        jax.eval_shape(lambda A, g: adjoint_doubling(A, g, g), A, g)
+        jax.eval_shape(lambda A, g: adjoint_doubling(A, g, g), A[:4, :4], g[:4])
     assert calls == ["hillis_steele", "levels"]
+
+
+@pytest.mark.parametrize(
+    ("method", "adjoint"),
+    [
+        ("doubling", "custom_vjp"),
+        ("doubling", "autodiff"),
+        ("scan", "custom_vjp"),
+        ("scan", "custom_jvp"),
+        ("scan", "autodiff"),
+    ],
+)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("d", [2, 5])
+def test_empty_block(method, adjoint, layout, d):
+    # A block of zero columns: an empty Krylov matrix and zero gradients, the same
+    # by both methods.
+    A, _ = _problem(jnp.float64)
+    x0 = jnp.zeros((N, 0))
+
+    def f(A, x0):
+        return krylovjax.krylov(A, x0, d, layout=layout, method=method, adjoint=adjoint)
+
+    out = jax.jit(f)(A, x0)
+    assert out.shape == ((N, d, 0) if layout == "columns" else (d, N, 0))
+    grad_A, grad_x0 = jax.jit(jax.grad(lambda A, x0: f(A, x0).sum(), (0, 1)))(A, x0)
+    assert grad_A.shape == (N, N)
+    assert not grad_A.any()
+    assert grad_x0.shape == (N, 0)
+
+
+@pytest.mark.parametrize(("d", "scheme"), [(2, "levels"), (5, "hillis_steele")])
+def test_empty_block_reverse_schemes(d, scheme):
+    # Both reverse schemes take a block of zero columns: at n = 5 the powers fit in
+    # memory for d = 2 (one level) and do not for d = 5, where the empty buffer
+    # weighs nothing.
+    calls = []
+    names = {"levels": "_reverse_levels", "hillis_steele": "_suffix_scan_hillis_steele"}
+
+    def spy(name, fn):
+        def wrapped(*args):
+            calls.append(name)
+            return fn(*args)
+
+        return wrapped
+
+    A, _ = _problem(jnp.float64)
+    x0 = jnp.zeros((N, 0))
+
+    def loss(A, x0):
+        return krylovjax.krylov(A, x0, d, method="doubling", adjoint="custom_vjp").sum()
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, name in names.items():
+            mp.setattr(_doubling, name, spy(key, getattr(_doubling, name)))
+        grad_A, grad_x0 = jax.grad(loss, argnums=(0, 1))(A, x0)
+    assert calls == [scheme]
+    assert not grad_A.any()
+    assert grad_x0.shape == (N, 0)
 
 
 def _vjp_pair(kind, dtype, d, block, layout="columns", n=N, seed=0):
@@ -458,8 +517,10 @@ def test_auto_runs_the_chosen_method():
     A, x0 = _problem(jnp.float32, n=4)
     assert choose_method(*as_operator(A, x0, "krylov"), 1024) == "doubling"
     # Same jaxpr as method="doubling"; a callable goes to the scan without error.
-    jaxpr = jax.make_jaxpr(lambda A: krylovjax.krylov(A, x0, 1024))(A)
+    jaxpr = jax.make_jaxpr(lambda A: krylovjax.krylov(A, x0, 1024, method="auto"))(A)
     want = jax.make_jaxpr(lambda A: krylovjax.krylov(A, x0, 1024, method="doubling"))
     assert str(jaxpr) == str(want(A))
-    out = jax.eval_shape(lambda A: krylovjax.krylov(lambda x: A @ x, x0, 1024), A)
+    out = jax.eval_shape(
+        lambda A: krylovjax.krylov(lambda x: A @ x, x0, 1024, method="auto"), A
+    )
     assert out.shape == (4, 1024)

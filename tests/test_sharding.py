@@ -9,7 +9,10 @@ computation and the shardings of the results; the tests below check those record
 Cases: a 1-D mesh with axis "x" of type `Auto` or `Explicit` (what `jax.make_mesh`
 creates by default); `A` row-sharded (`P("x", None)`) with a replicated `x0` of shape
 `(n,)`, or a replicated `A` with `x0` of shape `(n, b)` sharded along `b`
-(`P(None, "x")`); both layouts and both adjoints. Values in float64.
+(`P(None, "x")`); `A` passed as the matrix or as a closure `lambda v: A @ v`; the
+scan with every adjoint and doubling with both of its adjoints, both layouts; and
+doubling's reverse pass in both of its schemes (transposed levels, Hillis-Steele
+scan) for both kinds of sharded operands. Values in float64.
 """
 
 import json
@@ -25,11 +28,49 @@ MESHES = ("auto", "explicit")
 OPERANDS = ("rows", "batch")
 LAYOUTS = ("columns", "rows")
 ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
+N, D = 16, 6
+# (operator, method, layouts, adjoints), run for every mesh and operands at (N, D).
+KINDS = (
+    ("matrix", "scan", LAYOUTS, ADJOINTS),
+    ("callable", "scan", ("columns",), ADJOINTS),
+    ("matrix", "doubling", LAYOUTS, ("custom_vjp", "autodiff")),
+)
+# The scheme that doubling's own reverse pass takes for (operands, n, d): it picks
+# the transposed levels when the powers of A fit in memory, and Hillis-Steele
+# otherwise. The last two problems run with layout "columns" only.
+DOUBLING_SCHEMES = {
+    ("rows", N, D): "hillis_steele",
+    ("batch", N, D): "levels",
+    ("rows", N, 32): "levels",
+    ("batch", 64, 5): "hillis_steele",
+}
 RTOL = 1e-12
 
 
+def _id(mesh, operands, operator, method, layout, adjoint, n=N, d=D) -> str:
+    # As `case_id` in the script.
+    return f"{mesh}-{operands}-{operator}-{method}-{layout}-{adjoint}-n{n}-d{d}"
+
+
+def _case_ids() -> list[str]:
+    ids = []
+    for mesh in MESHES:
+        for operands in OPERANDS:
+            for operator, method, layouts, adjoints in KINDS:
+                for layout in layouts:
+                    for adjoint in adjoints:
+                        ids.append(
+                            _id(mesh, operands, operator, method, layout, adjoint)
+                        )
+        for operands, n, d in list(DOUBLING_SCHEMES)[2:]:
+            ids.append(
+                _id(mesh, operands, "matrix", "doubling", "columns", "custom_vjp", n, d)
+            )
+    return ids
+
+
 @pytest.fixture(scope="module")
-def records() -> dict[tuple[str, str, str, str], dict]:
+def records() -> dict[str, dict]:
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     env["JAX_PLATFORMS"] = "cpu"
@@ -38,29 +79,21 @@ def records() -> dict[tuple[str, str, str, str], dict]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     lines = result.stdout.strip().splitlines()
-    return {
-        (r["mesh"], r["operands"], r["layout"], r["adjoint"]): r
-        for r in json.loads(lines[-1])
-    }
+    return {r["id"]: r for r in json.loads(lines[-1])}
 
 
-def _cases():
-    for mesh in MESHES:
-        for operands in OPERANDS:
-            for layout in LAYOUTS:
-                for adjoint in ADJOINTS:
-                    case = (mesh, operands, layout, adjoint)
-                    yield pytest.param(*case, id="-".join(case))
+def test_every_case_ran(records):
+    assert sorted(records) == sorted(_case_ids())
 
 
-@pytest.mark.parametrize("mesh,operands,layout,adjoint", list(_cases()))
-def test_sharded_matches_single_device(records, mesh, operands, layout, adjoint):
-    record = records[(mesh, operands, layout, adjoint)]
+@pytest.mark.parametrize("case", _case_ids())
+def test_sharded_matches_single_device(records, case):
+    record = records[case]
     assert record["error"] is None, record["error"]
     # Values and gradients (of A and x0) agree with one device.
     assert record["out_error"] < RTOL, record
@@ -74,12 +107,29 @@ def test_sharded_matches_single_device(records, mesh, operands, layout, adjoint)
     assert record["grad_A_has_A_sharding"], record
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("adjoint", ADJOINTS)
-def test_auto_mesh_output_sharding(records, layout, adjoint):
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize(("operands", "n", "d"), list(DOUBLING_SCHEMES))
+def test_doubling_reverse_schemes(records, mesh, operands, n, d):
+    """Both reverse schemes of doubling ran on both kinds of sharded operands."""
+    case = _id(mesh, operands, "matrix", "doubling", "columns", "custom_vjp", n, d)
+    record = records[case]
+    assert record["error"] is None, record["error"]
+    assert record["schemes"] == [DOUBLING_SCHEMES[(operands, n, d)]], record
+
+
+def _auto_cases():
+    for operator, method, layouts, adjoints in KINDS:
+        for layout in layouts:
+            for adjoint in adjoints:
+                case = (operator, method, layout, adjoint)
+                yield pytest.param(*case, id="-".join(case))
+
+
+@pytest.mark.parametrize("operator,method,layout,adjoint", list(_auto_cases()))
+def test_auto_mesh_output_sharding(records, operator, method, layout, adjoint):
     """On an `Auto` mesh the output keeps the sharded axis of its input."""
     stack = "None, 'x'" if layout == "rows" else "'x', None"
-    rows = records[("auto", "rows", layout, adjoint)]
+    rows = records[_id("auto", "rows", operator, method, layout, adjoint)]
     assert rows["out_sharding"]["spec"] == f"P({stack})", rows
-    batch = records[("auto", "batch", layout, adjoint)]
+    batch = records[_id("auto", "batch", operator, method, layout, adjoint)]
     assert batch["out_sharding"]["spec"] == "P(None, None, 'x')", batch
