@@ -10,17 +10,57 @@ as one sampled product.
 """
 
 import math
+import sys
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 from jax.experimental import sparse
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Inexact, PRNGKeyArray, Shaped
 
 from .._krylov import krylov
-from ._checks import check_size
+from ._checks import as_input, check_dtype, check_size
+from ._init import uniform
+
+
+def _is_scipy_sparse(x: Any) -> bool:
+    # SciPy is not a dependency: if it is not imported, `x` is no SciPy matrix.
+    scipy_sparse = sys.modules.get("scipy.sparse")
+    return scipy_sparse is not None and scipy_sparse.issparse(x)
+
+
+def _as_adjacency(adjacency: Any, arg: str, dtype: Any | None) -> Any:
+    """A dense array or a two-dimensional BCOO matrix promoted with `dtype`.
+
+    Array-likes (nested lists, NumPy arrays) become JAX arrays; the values are
+    promoted as by `as_input`. Other sparse formats raise a `TypeError` that says
+    how to convert them; the shape is left to the caller to check.
+    """
+    if isinstance(adjacency, sparse.BCOO):
+        if adjacency.n_batch != 0 or adjacency.n_dense != 0:
+            msg = (
+                f"`{arg}` must be a BCOO matrix with n_batch=0 and n_dense=0; got "
+                f"n_batch={adjacency.n_batch} and n_dense={adjacency.n_dense}."
+            )
+            raise ValueError(msg)
+        data = as_input(adjacency.data, arg, dtype)
+        return sparse.BCOO((data, adjacency.indices), shape=adjacency.shape)
+    if isinstance(adjacency, sparse.JAXSparse):
+        msg = (
+            f"`{arg}` must be a dense array or a `jax.experimental.sparse.BCOO` "
+            f"matrix; got a {type(adjacency).__name__} matrix. Convert it with "
+            f"`.to_bcoo()`."
+        )
+        raise TypeError(msg)
+    if _is_scipy_sparse(adjacency):
+        msg = (
+            f"`{arg}` must be a dense array or a `jax.experimental.sparse.BCOO` "
+            f"matrix; got a SciPy sparse matrix of type {type(adjacency).__name__}. "
+            f"Convert it with `jax.experimental.sparse.BCOO.from_scipy_sparse`."
+        )
+        raise TypeError(msg)
+    return as_input(adjacency, arg, dtype)
 
 
 def normalise_adjacency(adjacency: Any) -> Any:
@@ -35,13 +75,16 @@ def normalise_adjacency(adjacency: Any) -> Any:
     **Arguments:**
 
     - `adjacency`: a square, non-negative (possibly weighted) adjacency matrix
-        `(N, N)`: a dense floating-point array or a two-dimensional
-        `jax.experimental.sparse.BCOO` matrix.
+        `(N, N)`: a dense array (or nested lists) or a two-dimensional
+        `jax.experimental.sparse.BCOO` matrix (convert a SciPy sparse matrix with
+        `jax.experimental.sparse.BCOO.from_scipy_sparse`). Integer and boolean
+        entries are converted to JAX's default floating dtype. $N = 0$ is allowed.
 
     **Returns:**
 
-    $\hat A$ in the same format as `adjacency`. A BCOO result holds the original
-    entries plus $N$ diagonal entries (duplicates are summed when it is applied).
+    $\hat A$ in the same format as `adjacency`, with its floating-point dtype. A
+    BCOO result holds the original entries plus $N$ diagonal entries (duplicates
+    are summed when it is applied).
 
     !!! Example
 
@@ -60,25 +103,19 @@ def normalise_adjacency(adjacency: Any) -> Any:
         ```
     """
     arg = "normalise_adjacency(adjacency=...)"
+    adjacency = _as_adjacency(adjacency, arg, None)
     shape = tuple(adjacency.shape)
     if len(shape) != 2 or shape[0] != shape[1]:
         msg = f"`{arg}` must be a square matrix (N, N); got shape {shape}."
         raise ValueError(msg)
     n = shape[0]
     if isinstance(adjacency, sparse.BCOO):
-        if adjacency.n_batch != 0 or adjacency.n_dense != 0:
-            msg = (
-                f"`{arg}` must be a BCOO matrix with n_batch=0 and n_dense=0; got "
-                f"n_batch={adjacency.n_batch} and n_dense={adjacency.n_dense}."
-            )
-            raise ValueError(msg)
         diag = jnp.arange(n, dtype=adjacency.indices.dtype)
         indices = jnp.concatenate([adjacency.indices, jnp.stack([diag, diag], axis=1)])
         data = jnp.concatenate([adjacency.data, jnp.ones(n, adjacency.dtype)])
         degree = jax.ops.segment_sum(data, indices[:, 0], num_segments=n)
         data = data / jnp.sqrt(degree[indices[:, 0]] * degree[indices[:, 1]])
         return sparse.BCOO((data, indices), shape=shape)
-    adjacency = jnp.asarray(adjacency)
     with_loops = adjacency + jnp.eye(n, dtype=adjacency.dtype)
     degree = with_loops.sum(axis=1)
     return with_loops / jnp.sqrt(degree[:, None] * degree[None, :])
@@ -109,12 +146,14 @@ class KrylovGraphConv(eqx.Module):
         >>> conv = KrylovGraphConv(3, 4, 2, key=jax.random.key(0))
         >>> conv(A_hat, jnp.ones((5, 3))).shape
         (5, 4)
+        >>> conv(jnp.zeros((0, 0)), jnp.ones((0, 3))).shape  # an empty graph
+        (0, 4)
 
         ```
     """
 
-    weight: Float[Array, "out hops_in"]
-    bias: Float[Array, " out"] | None
+    weight: Inexact[Array, "out hops_in"]
+    bias: Inexact[Array, " out"] | None
     in_features: int = eqx.field(static=True)
     out_features: int = eqx.field(static=True)
     num_hops: int = eqx.field(static=True)
@@ -127,6 +166,7 @@ class KrylovGraphConv(eqx.Module):
         num_hops: int,
         *,
         use_bias: bool = True,
+        dtype: Any = None,
         key: PRNGKeyArray,
     ):
         r"""**Arguments:**
@@ -134,8 +174,11 @@ class KrylovGraphConv(eqx.Module):
         - `in_features`: $F_\text{in}$, the number of input features per node.
         - `out_features`: $F_\text{out}$, the number of output features per node.
         - `num_hops`: $k \ge 0$, the highest power of $\hat A$ (so $k + 1$ blocks;
-            `num_hops=0` is a plain per-node linear layer).
+            `num_hops=0` is a plain per-node linear layer), any integer type.
         - `use_bias`: whether to add a learnable bias $b$ (default `True`).
+        - `dtype`: the dtype of $W$ and $b$, floating point or complex. Defaults to
+            `jax.numpy.float32` or `jax.numpy.float64` depending on whether JAX is
+            in 64-bit mode, as in `equinox.nn.Linear`.
         - `key`: a `jax.random` key for the initialisation (keyword only).
 
         $W$ and $b$ are initialised like `equinox.nn.Linear` with fan-in
@@ -143,24 +186,15 @@ class KrylovGraphConv(eqx.Module):
         """
         f_in = check_size(in_features, "KrylovGraphConv(in_features=...)")
         f_out = check_size(out_features, "KrylovGraphConv(out_features=...)")
-        if isinstance(num_hops, bool) or not isinstance(num_hops, int):
-            msg = (
-                f"`KrylovGraphConv(num_hops=...)` must be a Python int >= 0; got "
-                f"{num_hops!r} of type {type(num_hops).__name__}."
-            )
-            raise TypeError(msg)
-        if num_hops < 0:
-            msg = (
-                f"`KrylovGraphConv(num_hops=...)` must be an int >= 0; got {num_hops}."
-            )
-            raise ValueError(msg)
+        num_hops = check_size(
+            num_hops, "KrylovGraphConv(num_hops=...)", what="hops", minimum=0
+        )
+        dtype = check_dtype(dtype, "KrylovGraphConv(dtype=...)")
         fan_in = (num_hops + 1) * f_in
         lim = 1 / math.sqrt(fan_in)
-        wkey, bkey = jr.split(key)
-        self.weight = jr.uniform(wkey, (f_out, fan_in), minval=-lim, maxval=lim)
-        self.bias = (
-            jr.uniform(bkey, (f_out,), minval=-lim, maxval=lim) if use_bias else None
-        )
+        wkey, bkey = jax.random.split(key)
+        self.weight = uniform(wkey, (f_out, fan_in), dtype, lim)
+        self.bias = uniform(bkey, (f_out,), dtype, lim) if use_bias else None
         self.in_features = f_in
         self.out_features = f_out
         self.num_hops = num_hops
@@ -169,25 +203,33 @@ class KrylovGraphConv(eqx.Module):
     def __call__(
         self,
         adjacency: Any,
-        H: Float[Array, "N in"],
+        H: Shaped[Array, "N in"],
         *,
         key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "N out"]:
+    ) -> Inexact[Array, "N out"]:
         r"""**Arguments:**
 
         - `adjacency`: the graph operator $\hat A$, shape `(N, N)`: a dense array
-            or a two-dimensional `jax.experimental.sparse.BCOO` matrix, usually
-            normalised (see [`krylovjax.nn.normalise_adjacency`][]) so that its
-            powers stay bounded.
-        - `H`: the node features, shape `(N, in_features)`.
+            (or nested lists) or a two-dimensional `jax.experimental.sparse.BCOO`
+            matrix, usually normalised (see [`krylovjax.nn.normalise_adjacency`][])
+            so that its powers stay bounded. Convert a SciPy sparse matrix with
+            `jax.experimental.sparse.BCOO.from_scipy_sparse`.
+        - `H`: the node features, shape `(N, in_features)`. $N = 0$ (an empty
+            graph) is allowed.
         - `key`: ignored; accepted for compatibility with `equinox.nn`.
+
+        The values of `adjacency` and `H` are promoted with the layer's dtype
+        (`jnp.promote_types`), so integer or boolean inputs give the same output
+        as the inputs cast to that dtype.
 
         **Returns:**
 
-        The new node features, shape `(N, out_features)`.
+        The new node features, shape `(N, out_features)`, in the layer's dtype
+        promoted with those of `adjacency` and `H`.
         """
         del key
-        H = jnp.asarray(H)
+        dtype = self.weight.dtype
+        H = as_input(H, "KrylovGraphConv.__call__(H=...)", dtype)
         if H.ndim != 2 or H.shape[1] != self.in_features:
             msg = (
                 f"`KrylovGraphConv.__call__(H=...)` must have shape (N, "
@@ -196,16 +238,19 @@ class KrylovGraphConv(eqx.Module):
             )
             raise ValueError(msg)
         n = H.shape[0]
+        arg = "KrylovGraphConv.__call__(adjacency=...)"
+        adjacency = _as_adjacency(adjacency, arg, dtype)
         shape = tuple(adjacency.shape)
         if shape != (n, n):
             msg = (
-                f"`KrylovGraphConv.__call__(adjacency=...)` must have shape "
-                f"{(n, n)} to match `H` of shape {H.shape}; got shape {shape}."
+                f"`{arg}` must have shape {(n, n)} to match `H` of shape "
+                f"{H.shape}; got shape {shape}."
             )
             raise ValueError(msg)
         # (N, k + 1, F_in) -> (N, (k + 1) F_in): node n's row is [h_n, (A H)_n, ...].
         features = krylov(adjacency, H, self.num_hops + 1, layout="columns")
-        out = features.reshape(n, -1) @ self.weight.T
+        # An explicit width, not -1, which is ambiguous for N = 0.
+        out = features.reshape(n, self.weight.shape[1]) @ self.weight.T
         if self.bias is not None:
             out = out + self.bias
         return out

@@ -8,14 +8,15 @@ gradient of $K$ is one matrix product of the adjoint buffer with the stored stat
 """
 
 import math
+from typing import Any
 
 import equinox as eqx
-import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Inexact, PRNGKeyArray, Shaped
 
 from .._krylov import krylov
-from ._checks import check_shape, check_size
+from ._checks import as_input, check_dtype, check_shape, check_size
+from ._init import uniform
 
 
 class LinearDynamics(eqx.Module):
@@ -32,7 +33,7 @@ class LinearDynamics(eqx.Module):
     The transition matrix is initialised like `equinox.nn.Linear`, with entries
     drawn from $\mathcal{U}(-1/\sqrt{n}, 1/\sqrt{n})$ (spectral radius about
     $1/\sqrt{3}$, so the initial trajectory decays); the initial state from
-    $\mathcal{N}(0, I)$.
+    $\mathcal{N}(0, I)$. Both are created in the layer's `dtype`.
 
     !!! Example
 
@@ -48,12 +49,14 @@ class LinearDynamics(eqx.Module):
         >>> grads = jax.grad(lambda m: jnp.sum(m() ** 2))(model)
         >>> grads.transition.shape, grads.x0.shape
         ((3, 3), (3,))
+        >>> LinearDynamics(3, 5, dtype=jnp.complex64, key=jax.random.key(0))().dtype
+        dtype('complex64')
 
         ```
     """
 
-    transition: Float[Array, "n n"]
-    x0: Float[Array, " n"] | None
+    transition: Inexact[Array, "n n"]
+    x0: Inexact[Array, " n"] | None
     state_size: int = eqx.field(static=True)
     horizon: int = eqx.field(static=True)
     learn_x0: bool = eqx.field(static=True)
@@ -64,6 +67,7 @@ class LinearDynamics(eqx.Module):
         horizon: int,
         *,
         learn_x0: bool = True,
+        dtype: Any = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -73,6 +77,9 @@ class LinearDynamics(eqx.Module):
             (so $d - 1$ applications of $K$), an `int >= 1`.
         - `learn_x0`: if `True` (default) the layer holds a learnable initial state;
             if `False` the initial state must be passed at every call.
+        - `dtype`: the dtype of the parameters, floating point or complex. Defaults
+            to `jax.numpy.float32` or `jax.numpy.float64` depending on whether JAX
+            is in 64-bit mode, as in `equinox.nn.Linear`.
         - `key`: a `jax.random` key for the initialisation (keyword only).
         """
         n = check_size(state_size, "LinearDynamics(state_size=...)", what="a size")
@@ -83,27 +90,30 @@ class LinearDynamics(eqx.Module):
                 f"of type {type(learn_x0).__name__}."
             )
             raise TypeError(msg)
+        dtype = check_dtype(dtype, "LinearDynamics(dtype=...)")
         tkey, xkey = jr.split(key)
-        lim = 1 / math.sqrt(n)
-        self.transition = jr.uniform(tkey, (n, n), minval=-lim, maxval=lim)
-        self.x0 = jr.normal(xkey, (n,)) if learn_x0 else None
+        self.transition = uniform(tkey, (n, n), dtype, 1 / math.sqrt(n))
+        self.x0 = jr.normal(xkey, (n,), dtype) if learn_x0 else None
         self.state_size = n
         self.horizon = d
         self.learn_x0 = learn_x0
 
     def __call__(
         self,
-        x0: Float[Array, " n"] | None = None,
+        x0: Shaped[Array, " n"] | None = None,
         *,
         horizon: int | None = None,
         key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "d n"]:
+    ) -> Inexact[Array, "d n"]:
         r"""**Arguments:**
 
         - `x0`: the initial state, shape `(state_size,)`. Optional when the layer
             was built with `learn_x0=True` (a passed `x0` then replaces the learned
             one for this call); required when it was built with `learn_x0=False`.
-            To run a batch of initial states use `jax.vmap(model)(x0s)`.
+            To run a batch of initial states use `jax.vmap(model)(x0s)`. Any array
+            of numbers, or nested lists: it is promoted with the layer's dtype
+            (`jnp.promote_types`), so an integer or boolean `x0` gives the same
+            trajectory as `x0.astype(dtype)`.
         - `horizon`: the number of states for this call, overriding the layer's
             `horizon`. It fixes the output shape, so it must be a static Python
             `int >= 1` (under `jax.jit`, close over it or mark it static).
@@ -112,7 +122,8 @@ class LinearDynamics(eqx.Module):
         **Returns:**
 
         The trajectory $[x_0, K x_0, \dots, K^{d-1} x_0]$ as an array of shape
-        `(d, state_size)`, one state per row.
+        `(d, state_size)`, one state per row, in the layer's dtype promoted with
+        that of `x0`.
         """
         del key
         d = self.horizon
@@ -130,7 +141,7 @@ class LinearDynamics(eqx.Module):
                 raise ValueError(msg)
             x0 = self.x0
         else:
-            x0 = jnp.asarray(x0)
+            x0 = as_input(x0, "LinearDynamics.__call__(x0=...)", self.transition.dtype)
             check_shape(
                 x0,
                 (self.state_size,),

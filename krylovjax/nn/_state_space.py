@@ -15,14 +15,19 @@ everywhere (see [`krylovjax.nn.StateSpaceConv`][]).
 """
 
 import math
+from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, PRNGKeyArray
+import numpy as np
+from jaxtyping import Array, Float, Inexact, PRNGKeyArray, Shaped
 
 from .._krylov import krylov
-from ._checks import check_size
+from ._checks import as_input, check_dtype, check_size
+
+# The dtypes of `jnp.fft`'s real transforms, which the convolution uses.
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class StateSpaceConv(eqx.Module):
@@ -55,6 +60,13 @@ class StateSpaceConv(eqx.Module):
     \bar A^{L-1} \bar B]$ comes from one [`krylovjax.krylov`][] call, and the sum is
     computed by FFT with zero padding to $2L$ (no wrap-around).
 
+    **Dtypes.** The parameters are real, float32 or float64 (the dtypes of
+    `jnp.fft`); the contraction argument above needs them real. The input may be
+    any array of numbers: it is promoted with the parameter dtype, so integer,
+    boolean, float16 and bfloat16 inputs are computed in the layer's dtype, and a
+    complex input gives the complex output $y(\operatorname{Re} u) + i\,
+    y(\operatorname{Im} u)$ of the same linear map.
+
     !!! Example
 
         ```python
@@ -68,6 +80,10 @@ class StateSpaceConv(eqx.Module):
         (100, 3, 2)
         >>> jax.vmap(layer)(jnp.ones((4, 50, 2))).shape  # a batch of shorter inputs
         (4, 50, 3)
+        >>> StateSpaceConv(8, 2, 3, 100, dtype=jnp.float32, key=jax.random.key(0))(
+        ...     jnp.ones((100, 2), dtype=jnp.int32)
+        ... ).dtype
+        dtype('float32')
 
         ```
     """
@@ -94,6 +110,7 @@ class StateSpaceConv(eqx.Module):
         dt_min: float = 1e-3,
         dt_max: float = 1e-1,
         min_damping: float = 1e-3,
+        dtype: Any = None,
         key: PRNGKeyArray,
     ):
         r"""**Arguments:**
@@ -106,6 +123,10 @@ class StateSpaceConv(eqx.Module):
             from `[dt_min, dt_max]` (S4's convention); `0 < dt_min <= dt_max`.
         - `min_damping`: $\epsilon > 0$, the least damping rate of $A_c$, which
             keeps $\lVert \bar A \rVert_2 < 1$ strictly.
+        - `dtype`: the dtype of the parameters, `jax.numpy.float32` or
+            `jax.numpy.float64`. Defaults to either depending on whether JAX is in
+            64-bit mode, as in `equinox.nn.Linear`. Complex and half-precision
+            dtypes raise a `TypeError` (see **Dtypes** above).
         - `key`: a `jax.random` key for the initialisation (keyword only).
 
         $W$ is drawn from $\mathcal{N}(0, 1/n)$, $V$ from $\mathcal{N}(0, 10^{-2}/n)$
@@ -125,16 +146,24 @@ class StateSpaceConv(eqx.Module):
         if not min_damping > 0:
             msg = f"`StateSpaceConv(min_damping=...)` must be > 0; got {min_damping!r}."
             raise ValueError(msg)
+        arg = "StateSpaceConv(dtype=...)"
+        dtype = check_dtype(dtype, arg, allow_complex=False)
+        if dtype not in DTYPES:
+            msg = (
+                f"`{arg}` must be float32 or float64, the dtypes of the FFT that "
+                f"applies the kernel; got dtype {dtype}."
+            )
+            raise TypeError(msg)
         wkey, vkey, dkey, bkey, ckey, skey = jr.split(key, 6)
-        self.skew = jr.normal(wkey, (n, n)) / math.sqrt(n)
-        self.damping = 0.1 * jr.normal(vkey, (n, n)) / math.sqrt(n)
+        self.skew = jr.normal(wkey, (n, n), dtype) / math.sqrt(n)
+        self.damping = 0.1 * jr.normal(vkey, (n, n), dtype) / math.sqrt(n)
         self.log_step = jr.uniform(
-            dkey, (), minval=math.log(dt_min), maxval=math.log(dt_max)
+            dkey, (), dtype, minval=math.log(dt_min), maxval=math.log(dt_max)
         )
         lim_in, lim_n = 1 / math.sqrt(c_in), 1 / math.sqrt(n)
-        self.B = jr.uniform(bkey, (n, c_in), minval=-lim_in, maxval=lim_in)
-        self.C = jr.uniform(ckey, (c_out, n), minval=-lim_n, maxval=lim_n)
-        self.D = jr.uniform(skey, (c_out, c_in), minval=-lim_in, maxval=lim_in)
+        self.B = jr.uniform(bkey, (n, c_in), dtype, minval=-lim_in, maxval=lim_in)
+        self.C = jr.uniform(ckey, (c_out, n), dtype, minval=-lim_n, maxval=lim_n)
+        self.D = jr.uniform(skey, (c_out, c_in), dtype, minval=-lim_in, maxval=lim_in)
         self.state_size = n
         self.in_channels = c_in
         self.out_channels = c_out
@@ -208,23 +237,27 @@ class StateSpaceConv(eqx.Module):
         return jnp.einsum("on,lni->loi", self.C, blocks)
 
     def __call__(
-        self, x: Float[Array, "L in"], *, key: PRNGKeyArray | None = None
-    ) -> Float[Array, "L out"]:
+        self, x: Shaped[Array, "L in"], *, key: PRNGKeyArray | None = None
+    ) -> Inexact[Array, "L out"]:
         r"""**Arguments:**
 
         - `x`: one input sequence of shape `(L, in_channels)`, time first, with
             `L <= length`. An input shorter than the layer's `length` uses the first
             `L` kernel entries (the output is the same as for the input padded with
-            zeros at the end, truncated). Batch with `jax.vmap`.
+            zeros at the end, truncated). Batch with `jax.vmap`. Any array of
+            numbers, or nested lists: it is promoted with the layer's dtype
+            (`jnp.promote_types`), so an integer or boolean `x` gives the same
+            output as `x.astype(dtype)`, and a complex `x` a complex output.
         - `key`: ignored; accepted for compatibility with `equinox.nn`.
 
         **Returns:**
 
-        The output sequence, shape `(L, out_channels)`; $y_t$ depends on
-        $u_0, \dots, u_t$ only (causal).
+        The output sequence, shape `(L, out_channels)`, in the layer's dtype
+        promoted with that of `x`; $y_t$ depends on $u_0, \dots, u_t$ only
+        (causal).
         """
         del key
-        x = jnp.asarray(x)
+        x = as_input(x, "StateSpaceConv.__call__(x=...)", self.B.dtype)
         bad_length = x.ndim == 2 and not 1 <= x.shape[0] <= self.length
         if x.ndim != 2 or x.shape[1] != self.in_channels or bad_length:
             msg = (
@@ -237,7 +270,11 @@ class StateSpaceConv(eqx.Module):
         n_time = x.shape[0]
         kernel = self.kernel(n_time)
         n_fft = 2 * n_time
-        kernel_f = jnp.fft.rfft(kernel, n=n_fft, axis=0)
-        x_f = jnp.fft.rfft(x, n=n_fft, axis=0)
-        y = jnp.fft.irfft(jnp.einsum("foi,fi->fo", kernel_f, x_f), n=n_fft, axis=0)
-        return y[:n_time].astype(x.dtype) + x @ self.D.T
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            fft, ifft = jnp.fft.fft, jnp.fft.ifft
+        else:
+            fft, ifft = jnp.fft.rfft, jnp.fft.irfft
+        kernel_f = fft(kernel, n=n_fft, axis=0)
+        x_f = fft(x, n=n_fft, axis=0)
+        y = ifft(jnp.einsum("foi,fi->fo", kernel_f, x_f), n=n_fft, axis=0)
+        return y[:n_time] + x @ self.D.T
