@@ -1,7 +1,7 @@
 r"""`iterate`: the trajectory $x_0, f(x_0), \dots, f^{d-1}(x_0)$ of any step $f$.
 
-The forward pass is one `lax.scan`. The reverse pass is written by hand
-(`equinox.filter_custom_vjp`) and saves only the trajectory it returns. With output
+The forward pass is one `lax.scan`. The reverse pass (`adjoint_states`) is written by
+hand and saves only the trajectory it returns. With output
 cotangents $g_0, \dots, g_{d-1}$ and step parameters $\theta$, the adjoint states are
 
 $$\lambda_{d-1} = g_{d-1}, \qquad
@@ -15,13 +15,13 @@ accumulates the parameter gradient in its carry. Nothing the step computes inter
 (the hidden layer of an MLP, say) is saved between the passes, so residual memory is
 the trajectory alone, whatever the width of the step.
 
-**Forward mode.** A `custom_vjp` cannot be differentiated in forward mode, so
-`adjoint="custom_jvp"` gives the recurrence a JVP rule instead: the tangent step is
-$\dot x_{k+1} = \partial_x f(x_k) \dot x_k + \partial_\theta f(x_k) \dot\theta$,
-evaluated at the stored states by one `lax.scan`. Its body is wrapped in
-`jax.checkpoint`, so reverse mode (JAX's transposition of the rule) saves only the
-stored states and recomputes each step's linearisation, as the hand-written adjoint
-does.
+**Forward and reverse mode from one rule** (the default, `adjoint="custom_jvp"`).
+The JVP rule computes the tangents
+$\dot x_{k+1} = \partial_x f(x_k) \dot x_k + \partial_\theta f(x_k) \dot\theta$
+at the stored states with a tangent primitive (`_tangent.py`): its implementation is
+one checkpointed `lax.scan` (`tangent_states`, what `jax.jvp` runs), and its transpose
+rule is `adjoint_states` above (what `jax.grad` runs). `adjoint="custom_vjp"` is the
+same reverse pass as a `jax.custom_vjp`, reverse mode only.
 """
 
 from typing import Any, Literal, TypeVar
@@ -33,6 +33,7 @@ import jax.tree_util as jtu
 from jax import lax
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
+from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
 ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
 _State = TypeVar("_State")
@@ -43,7 +44,7 @@ def iterate(
     x0: _State,
     d: int,
     *,
-    adjoint: Literal["custom_vjp", "custom_jvp", "autodiff"] = "custom_vjp",
+    adjoint: Literal["custom_jvp", "custom_vjp", "autodiff"] = "custom_jvp",
 ) -> _State:
     r"""Stack the trajectory $x_0, f(x_0), f(f(x_0)), \dots$ of $d$ states.
 
@@ -59,15 +60,13 @@ def iterate(
         floating-point array it holds.
     - `x0`: the initial state, a pytree of floating-point or complex arrays.
     - `d`: the number of states, a static Python `int >= 1` (so $d - 1$ steps).
-    - `adjoint`: `"custom_vjp"` (default) uses the hand-written reverse pass, which
-        saves only the returned trajectory and recomputes each step's VJP from it;
-        `jax.hessian` (forward over reverse) works, but `jax.jvp` and `jax.jacfwd`
-        raise a `TypeError`. `"custom_jvp"` gives the recurrence a hand-written JVP rule
-        whose tangent step is checkpointed: forward mode works, and reverse mode
-        (JAX's transposition of that rule) again saves only the trajectory and
-        recomputes each step. `"autodiff"` differentiates the same `lax.scan` with
-        JAX's own rules, so forward mode works, at the cost of saving every step's
-        internals in reverse mode.
+    - `adjoint`: `"custom_jvp"` (default): one rule for forward and reverse mode
+        (`jax.jvp`, `jax.jacfwd`, `jax.grad`, `jax.vjp`, `jax.hessian`); reverse
+        mode is the hand-written pass, which saves only the returned trajectory and
+        recomputes each step's VJP from it. `"custom_vjp"`: the same reverse pass as
+        a `jax.custom_vjp`; `jax.jvp` and `jax.jacfwd` raise a `TypeError`.
+        `"autodiff"`: JAX's own rules through the same `lax.scan`, saving every
+        step's internals in reverse mode.
 
     **Returns:**
 
@@ -87,7 +86,7 @@ def iterate(
         (3, 2)
         >>> grad = jax.grad(lambda x: krylovjax.iterate(jnp.sin, x, 5).sum())
         >>> grad(jnp.array(0.0))
-        Array(5., dtype=float32, weak_type=True)
+        Array(5., dtype=float32)
 
         ```
     """
@@ -176,18 +175,31 @@ def _iterate_bwd(xs, g, perturbed, vjp_arg, d):
     step, _ = vjp_arg
     step_perturbed, _ = perturbed
     g = jtu.tree_map(
-        # The cotangent may arrive as a NumPy array (e.g. `vjp_fn(np.ones(...))`),
-        # which cannot be indexed by the traced step counter below. A `None` in the
-        # state is no array and has no cotangent: it stays `None`.
-        lambda x, gx: (
-            None if x is None else jnp.zeros_like(x) if gx is None else jnp.asarray(gx)
-        ),
+        # A `None` in the state is no array and has no cotangent: it stays `None`.
+        lambda x, gx: None if x is None else jnp.zeros_like(x) if gx is None else gx,
         xs,
         g,
         is_leaf=lambda v: v is None,
     )
-    diff, static = eqx.partition(step, eqx.is_inexact_array)
     want_params = any(jtu.tree_leaves(step_perturbed))
+    grad_step, lam0 = adjoint_states(step, xs, g, want_params)
+    if not want_params:
+        grad_step = jtu.tree_map(lambda _: None, eqx.filter(step, eqx.is_inexact_array))
+    return grad_step, lam0
+
+
+def adjoint_states(step: Any, xs: Any, g: Any, want_params: bool) -> tuple[Any, Any]:
+    r"""The reverse pass: $\lambda_0$ and, if `want_params`, the step's gradient.
+
+    One reverse `lax.scan` over the stored states `xs` and their cotangents `g`:
+    each step recomputes the VJP of the step at $x_k$, so nothing the step computes
+    internally is kept between the passes.
+    """
+    d = jtu.tree_leaves(xs)[0].shape[0]
+    diff, static = eqx.partition(step, eqx.is_inexact_array)
+    # The cotangent may arrive as NumPy arrays (`vjp_fn(np.ones(...))`), which
+    # cannot be indexed by the traced step counter below.
+    g = jtu.tree_map(jnp.asarray, g)
 
     def body(carry, k):
         lam_next, acc = carry
@@ -205,9 +217,48 @@ def _iterate_bwd(xs, g, perturbed, vjp_arg, d):
     lam_last = jtu.tree_map(lambda gx: gx[d - 1], g)
     acc0 = jtu.tree_map(jnp.zeros_like, diff) if want_params else None
     (lam0, acc), _ = lax.scan(body, (lam_last, acc0), jnp.arange(d - 1), reverse=True)
-    if not want_params:
-        acc = jtu.tree_map(lambda _: None, diff)
     return acc, lam0
+
+
+def tangent_states(step: Any, xs: Any, t_step: Any, t_x0: Any) -> Any:
+    r"""The tangents $\dot x_{k+1} = \partial_x f(x_k) \dot x_k
+    + \partial_\theta f(x_k) \dot\theta$ at the stored states, stacked like `xs`.
+
+    One `lax.scan`; its body is checkpointed, so JAX's own reverse mode through it
+    (second derivatives) recomputes each step rather than saving its internals.
+    """
+    d = jtu.tree_leaves(xs)[0].shape[0]
+    diff, static = eqx.partition(step, eqx.is_inexact_array)
+    t_diff = _zeros_if_none(eqx.filter(t_step, eqx.is_inexact_array), diff)
+
+    @jax.checkpoint
+    def tangent_step(t, x_k):
+        _, t_next = jax.jvp(
+            lambda p, x: eqx.combine(p, static)(x), (diff, x_k), (t_diff, t)
+        )
+        return t_next
+
+    def body(t, k):
+        x_k = jtu.tree_map(lambda x: x[k], xs)
+        t_next = tangent_step(t, x_k)
+        return t_next, t_next
+
+    _, t_rest = lax.scan(body, t_x0, jnp.arange(d - 1))
+    return jtu.tree_map(lambda a, b: jnp.concatenate([a[None], b]), t_x0, t_rest)
+
+
+def _tangent_transpose(inputs, g):
+    step, xs, t_step, _ = inputs
+    want_params = is_tangent(t_step)
+    grad_step, lam0 = adjoint_states(step, xs, g, want_params)
+    ct_step = like_tangent(t_step, grad_step) if want_params else nones(t_step)
+    return nones(step), nones(xs), ct_step, lam0
+
+
+# Arguments: (step, xs, t_step, t_x0); the tangents are like `xs`.
+iterate_tangent = tangent_primitive(
+    "iterate_tangent", tangent_states, _tangent_transpose, like=1
+)
 
 
 def _zeros_if_none(tangent, primal):
@@ -232,21 +283,4 @@ def _iterate_jvp(primals, tangents, *, d):
     t_step, t_x0 = tangents
     xs = iterate_scan(step, x0, d)
     t_x0 = _zeros_if_none(t_x0, x0)
-    diff, static = eqx.partition(step, eqx.is_inexact_array)
-    t_diff = _zeros_if_none(eqx.filter(t_step, eqx.is_inexact_array), diff)
-
-    @jax.checkpoint
-    def tangent_step(t, x_k):
-        _, t_next = jax.jvp(
-            lambda p, x: eqx.combine(p, static)(x), (diff, x_k), (t_diff, t)
-        )
-        return t_next
-
-    def body(t, k):
-        x_k = jtu.tree_map(lambda x: x[k], xs)
-        t_next = tangent_step(t, x_k)
-        return t_next, t_next
-
-    _, t_rest = lax.scan(body, t_x0, jnp.arange(d - 1))
-    t_xs = jtu.tree_map(lambda a, b: jnp.concatenate([a[None], b]), t_x0, t_rest)
-    return xs, t_xs
+    return xs, iterate_tangent(step, xs, t_step, t_x0)

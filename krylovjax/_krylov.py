@@ -21,8 +21,8 @@ from ._doubling import (
 from ._operator import DenseOperator, DenseRowsOperator, as_operator
 from ._scan import (
     krylov_custom_jvp,
+    krylov_custom_vjp,
     krylov_scan,
-    krylov_tail_custom_vjp,
 )
 
 LAYOUTS = ("columns", "rows")
@@ -36,16 +36,18 @@ def krylov(
     d: int,
     *,
     layout: Literal["columns", "rows"] = "columns",
-    adjoint: Literal["custom_vjp", "custom_jvp", "autodiff"] = "custom_vjp",
-    method: Literal["auto", "scan", "doubling"] = "auto",
+    adjoint: Literal["custom_jvp", "custom_vjp", "autodiff"] | None = None,
+    method: Literal["scan", "doubling", "auto"] = "scan",
 ) -> Inexact[Array, "..."]:
     r"""Build the Krylov matrix $[x_0, A x_0, A^2 x_0, \dots, A^{d-1} x_0]$.
 
     By default the $d$ vectors are built by one `lax.scan` of $d - 1$ applications
-    of $A$ (or by parallel-in-time doubling where that is measured to be faster).
-    Reverse-mode derivatives use a hand-written adjoint that propagates the gradient
-    of $x_0$, writes all adjoint vectors into one preallocated buffer, and computes
-    the gradient of a dense $A$ as one matrix product.
+    of $A$, and one derivative rule serves forward and reverse mode: `jax.jvp`,
+    `jax.jacfwd`, `jax.linearize`, `jax.grad`, `jax.vjp` and `jax.hessian` all work.
+    The reverse pass is written by hand: it propagates the gradient of $x_0$, keeps
+    only the forward output, runs the adjoint recurrence backwards 64 steps at a
+    time and forms each chunk's share of the gradient of a dense $A$ with one matrix
+    product.
 
     **Arguments:**
 
@@ -55,7 +57,9 @@ def krylov(
         closes over arrays, an `equinox.Module`, a bound method such as
         `lineax_operator.mv`). Gradients reach every floating-point array that `A`
         holds: the dense matrix, the BCOO values, closed-over arrays, module leaves.
-        A callable is assumed linear; a nonlinear map belongs in
+        A callable must be linear: one that JAX cannot transpose, or that adds a
+        term independent of its input (`lambda x: M @ x + c`), raises a
+        `TypeError` at trace time; a nonlinear map belongs in
         [`krylovjax.iterate`][].
     - `x0`: the starting vector `(n,)`, or a block of `b` starting vectors
         `(n, b)`. For a callable `A`, any shape with at least one axis. Must be
@@ -69,18 +73,15 @@ def krylov(
         `(n, d)` and `(n, b)` gives `(n, d, b)`, so `X.reshape(n, d * b)` is the
         block Krylov matrix $[X_0 \mid A X_0 \mid \dots]$. `"rows"` puts it first:
         `(d, n)` or `(d, n, b)`, one vector per row.
-    - `adjoint`: how reverse-mode derivatives are computed. `"custom_vjp"`
-        (default) uses the hand-written adjoint described above; like every
-        `jax.custom_vjp`, it supports `jax.grad`, `jax.vjp`, `jax.jacrev` and
-        `grad` of `grad` and `jax.hessian` (forward over reverse), but `jax.jvp` and
-        `jax.jacfwd` raise a `TypeError`. `"custom_jvp"` (scan method only) gives
-        the recurrence a hand-written JVP rule instead: the tangents follow
-        $\dot x_{k+1} = A \dot x_k + \dot A x_k$, with every $\dot A x_k$ formed
-        in one batched product, so forward mode works, and reverse mode is JAX's
-        transposition of that rule: again one reverse scan into one buffer and one
-        GEMM (as fast as the default, with 1.2-1.5x its compiled temporary memory in
-        the benchmarks). `"autodiff"` differentiates the construction with JAX's
-        own rules: forward mode works, and reverse mode saves every step.
+    - `adjoint`: how derivatives are computed. `None` (default): the method's own
+        rule, `"custom_jvp"` for the scan and `"custom_vjp"` for doubling.
+        `"custom_jvp"` (scan only): a JVP rule whose tangent map,
+        $\dot x_{k+1} = A \dot x_k + \dot A x_k$, is a primitive with a
+        hand-written transpose, so forward mode works and reverse mode is the
+        chunked adjoint pass described above (see the docs' adjoint page).
+        `"custom_vjp"`: the same reverse pass as a `jax.custom_vjp`; `jax.jvp` and
+        `jax.jacfwd` raise a `TypeError`. `"autodiff"`: JAX's own rules through the
+        construction; reverse mode saves every step.
     - `method`: how the vectors are built. `"scan"`: one sequential `lax.scan` of
         $d - 1$ matrix-vector products. `"doubling"`: parallel in time, for a dense
         or BCOO matrix only (a BCOO matrix is densified, since its powers fill in;
@@ -94,10 +95,14 @@ def krylov(
         loses accuracy against the scan when powers of $A$ grow and decay at very
         different rates: strongly non-normal $A$, or $x_0$ close to directions
         that $A$ contracts while others grow; with the spectral radius far from 1,
-        the powers overflow or underflow (to `inf` or `0`) about as early as the
-        vectors do. `"auto"` (default) picks `"doubling"` for a dense matrix when
-        $d$ is large compared with $n$ and `"scan"` otherwise, including every BCOO
-        matrix, every callable, and whenever `adjoint="custom_jvp"`. Its thresholds
+        the powers overflow (to `inf`, then `nan` where a zero meets them) even
+        when $x_0$ never touches the growing mode, and for matrices whose powers
+        the scan reproduces exactly (a reflection, say) doubling's error grows
+        with $d$. So the default is `"scan"`. `"auto"` (opt-in) picks
+        `"doubling"` for a dense matrix when $d$ is large compared with $n$ and
+        `"scan"` otherwise, including every BCOO matrix, every callable, and
+        whenever `adjoint="custom_jvp"`; where it picks doubling it has
+        doubling's limits. Its thresholds
         depend on the dtype (doubling wins at smaller $d$ for complex dtypes) and
         on the block size (a block of $b > 1$ vectors counts as $2 b d$), and were
         measured on CPU (see `krylovjax/_doubling.py`); other backends use the CPU
@@ -127,7 +132,8 @@ def krylov(
     """
     d = check_depth(d, "krylov")
     check_choice(layout, LAYOUTS, "krylov(layout=...)")
-    check_choice(adjoint, ADJOINTS, "krylov(adjoint=...)")
+    if adjoint is not None:
+        check_choice(adjoint, ADJOINTS, "krylov(adjoint=...)")
     check_choice(method, METHODS, "krylov(method=...)")
     x0 = as_array(x0, "krylov(x0=...)")
     if x0.ndim == 0:
@@ -145,27 +151,31 @@ def krylov(
             )
             raise ValueError(msg)
     elif method == "auto":
-        method = "scan" if adjoint == "custom_jvp" else choose_method(operator, x0, d)
+        # Doubling has a reverse-mode rule only: an explicit request for forward
+        # mode keeps the scan.
+        if adjoint == "custom_jvp":
+            method = "scan"
+        else:
+            method = choose_method(operator, x0, d)
     if d == 1:
         xs = x0[None]
-    elif method == "doubling" and adjoint == "custom_vjp":
+    elif method == "doubling" and adjoint in (None, "custom_vjp"):
         return krylov_doubling_custom_vjp((operator, x0), d, layout)
     elif method == "doubling":
         return krylov_doubling(dense_matrix(operator), x0, d, layout)
-    elif (
-        adjoint == "custom_vjp" and isinstance(operator, DenseOperator) and x0.ndim == 2
-    ):
+    elif adjoint == "autodiff":
+        xs = krylov_scan(operator, x0, d)
+    elif isinstance(operator, DenseOperator) and x0.ndim == 2:
         # A dense matrix and a block: the scan runs on the block's transpose, one
         # vector per row (see `DenseRowsOperator`).
-        z0 = x0.T
-        rows = DenseRowsOperator(operator.matrix.T)
-        zs = jnp.concatenate([z0[None], krylov_tail_custom_vjp((rows, z0), d)])
+        zs = _scan_with_rule(DenseRowsOperator(operator.matrix.T), x0.T, d, adjoint)
         return jnp.transpose(zs, (2, 0, 1) if layout == "columns" else (0, 2, 1))
-    elif adjoint == "custom_vjp":
-        tail = krylov_tail_custom_vjp((operator, x0), d)
-        xs = jnp.concatenate([x0[None], tail])
-    elif adjoint == "custom_jvp":
-        xs = krylov_custom_jvp(operator, x0, d=d)
     else:
-        xs = krylov_scan(operator, x0, d)
+        xs = _scan_with_rule(operator, x0, d, adjoint)
     return xs if layout == "rows" else jnp.moveaxis(xs, 0, 1)
+
+
+def _scan_with_rule(operator, x0, d, adjoint):
+    if adjoint == "custom_vjp":
+        return krylov_custom_vjp(operator, x0, d)
+    return krylov_custom_jvp(operator, x0, d=d)

@@ -30,6 +30,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 from jax.experimental import sparse
@@ -53,6 +54,44 @@ class AbstractOperator(eqx.Module):
 
     def param_vjp(self, xs: Array, cts: Array) -> "AbstractOperator":
         raise NotImplementedError
+
+    def add_param_vjp(
+        self, acc: "AbstractOperator", xs: Array, cts: Array
+    ) -> "AbstractOperator":
+        """`acc` plus `param_vjp(xs, cts)`: how the reverse pass sums its chunks."""
+        return jtu.tree_map(jnp.add, acc, self.param_vjp(xs, cts))
+
+
+# The reverse pass adds each chunk's (n, n) gradient of a dense matrix into its
+# running sum this many columns at a time, so that no second (n, n) array exists.
+COLUMN_BLOCK = 64
+
+
+def _add_by_columns(acc: Array, product: Callable[[int | Array, int], Array]) -> Array:
+    """`acc + P` for an `(n, m)` `P` given by columns: `product(start, size)` is
+    `P[:, start:start + size]`. Blocks of `COLUMN_BLOCK` columns, each added in
+    place, so the temporary is one block rather than a second `(n, m)` array."""
+    m = acc.shape[1]
+    full, rest = divmod(m, COLUMN_BLOCK)
+
+    def add(acc, start, size):
+        block = lax.dynamic_slice_in_dim(acc, start, size, axis=1)
+        return lax.dynamic_update_slice_in_dim(
+            acc, block + product(start, size), start, axis=1
+        )
+
+    acc = lax.fori_loop(
+        0, full, lambda j, acc: add(acc, j * COLUMN_BLOCK, COLUMN_BLOCK), acc
+    )
+    return add(acc, full * COLUMN_BLOCK, rest) if rest else acc
+
+
+def _by_columns(matrix: Array) -> bool:
+    # Worth it once the matrix is wider than a block; on an explicit mesh the
+    # product states its sharding instead (see `param_vjp`).
+    mesh = jax.typeof(matrix).sharding.mesh
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    return matrix.shape[1] > COLUMN_BLOCK and not explicit
 
 
 def _cotangent(operator: AbstractOperator) -> AbstractOperator:
@@ -91,6 +130,17 @@ class DenseOperator(AbstractOperator):
             out_sharding=jax.typeof(self.matrix).sharding,
         )
         return _cotangent(DenseOperator(grad))
+
+    def add_param_vjp(self, acc: AbstractOperator, xs: Array, cts: Array):
+        if not _by_columns(self.matrix):
+            return super().add_param_vjp(acc, xs, cts)
+        axes = (0, *range(2, xs.ndim))
+
+        def product(start, size):
+            cols = lax.dynamic_slice_in_dim(xs, start, size, axis=1)
+            return lax.dot_general(cts, cols, ((axes, axes), ((), ())))
+
+        return _cotangent(DenseOperator(_add_by_columns(acc.matrix, product)))
 
 
 class DenseRowsOperator(AbstractOperator):
@@ -139,6 +189,19 @@ class DenseRowsOperator(AbstractOperator):
             out_sharding=jax.typeof(self.transposed).sharding,
         )
         return _cotangent(DenseRowsOperator(grad))
+
+    def add_param_vjp(self, acc: AbstractOperator, xs: Array, cts: Array):
+        if not _by_columns(self.transposed):
+            return super().add_param_vjp(acc, xs, cts)
+        n = xs.shape[-1]
+        rows = math.prod(xs.shape[:-1])
+        lhs, rhs = xs.reshape(rows, n), cts.reshape(rows, n)
+
+        def product(start, size):
+            cols = lax.dynamic_slice_in_dim(rhs, start, size, axis=1)
+            return lax.dot_general(lhs, cols, (((0,), (0,)), ((), ())))
+
+        return _cotangent(DenseRowsOperator(_add_by_columns(acc.transposed, product)))
 
 
 class SparseOperator(AbstractOperator):

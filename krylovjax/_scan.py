@@ -1,59 +1,46 @@
-r"""The sequential method of `krylov`: one `lax.scan`, and its two derivative rules.
+r"""The sequential method of `krylov`: one `lax.scan`, and its derivative rules.
 
-The forward pass is one `lax.scan` of $d - 1$ applications of $A$. The reverse pass is
-written by hand (`equinox.filter_custom_vjp`). With output cotangents
-$g_0, \dots, g_{d-1}$ (one per stored vector), the adjoint vectors satisfy
+The forward pass is one `lax.scan` of $d - 1$ applications of $A$, stacked as
+$X = [x_0, x_1, \dots, x_{d-1}]$ on a new leading axis.
+
+**Reverse mode.** With output cotangents $g_0, \dots, g_{d-1}$ (one per stored
+vector), the adjoint vectors satisfy
 
 $$\lambda_{d-1} = g_{d-1}, \qquad \lambda_i = g_i + A^\top \lambda_{i+1},$$
 
-and then
-
-- the gradient of $x_0$ is $\lambda_0$;
-- the gradient of $A$ is $\sum_{i=1}^{d-1} \lambda_i x_{i-1}^\top
-  = [\lambda_1, \dots, \lambda_{d-1}] \, [x_0, \dots, x_{d-2}]^\top$.
-
-The rule covers the $d - 1$ computed vectors $x_1, \dots, x_{d-1}$; `krylov` puts
-$x_0$ in front of them outside the rule, so JAX adds $g_0$ to the gradient of $x_0$ and
-the rule returns $A^\top \lambda_1$. One reverse `lax.scan` runs the recurrence over
-$g_1, \dots, g_{d-1}$ and writes $\lambda_2, \dots, \lambda_{d-1}$ into a single
-buffer: the output cotangent itself, updated in place (row $j$ holds $\lambda_{j+2}$
-once $g_{j+1}$ has been read; the last row is zeroed). Row by row, that buffer lines up
-with the saved vectors $x_1, \dots, x_{d-1}$, so the gradient of the operator is one
-batched operation on the two buffers, without slicing either: a single GEMM for a dense
-matrix, one sampled product for a BCOO matrix, one batched VJP for a callable (see
-`_operator.py`), plus the one remaining pair $\lambda_1 x_0^\top$. The forward pass
-saves nothing but its own output; the operator and $x_0$ are the primal inputs. Saved
-output and adjoint buffer thus have $d - 1$ rows each, the same as the residuals and
-cotangents of plain autodiff through the scan.
-
-For a dense matrix and a block $x_0$ of shape `(n, b)`, `krylov` runs the same rule on
-the block's transpose, one vector per row (`DenseRowsOperator`), so that both stacks
-are `((d - 1) b, n)` matrices as they lie in memory and the gradient GEMM reads them
-without copying.
+and then the gradient of $x_0$ is $\lambda_0$ and the gradient of $A$ is
+$\sum_{i=1}^{d-1} \lambda_i x_{i-1}^\top$. `adjoint_chunks` solves the recurrence
+backwards by one reverse `lax.scan` over chunks of `CHUNK` steps: each chunk's
+adjoint vectors go into one buffer of `CHUNK` rows, and its share of the
+operator's gradient is one batched product with the matching stored vectors (a
+GEMM for a dense matrix, one sampled product for BCOO, one batched VJP for a
+callable; see `_operator.py`), added to a running sum. The cotangent and the
+stored vectors are only read, a chunk at a time, never copied or written, so the
+reverse pass needs the forward output (its only residual, besides the operator)
+plus one chunk, whatever form the cotangent has: a fresh array, a broadcast
+constant (`X.sum()`), a closed-over weight.
 
 The transpose is JAX's convention for complex numbers too: the rule computes the
 vector-Jacobian product (plain transpose, no conjugation), exactly what autodiff
 through the scan would give.
 
-**Forward mode.** A `custom_vjp` cannot be differentiated in forward mode, so
-`adjoint="custom_jvp"` gives the recurrence a JVP rule instead, written so that JAX's
-own transposition of it is the same lean reverse pass. For $x_{k+1} = A x_k$ with
-tangents $\dot A$ and $\dot x_0$, the tangent trajectory satisfies
+**Forward and reverse mode from one rule** (`krylov_custom_jvp`, the default). A
+`jax.custom_vjp` cannot be differentiated in forward mode, and JAX's own
+transposition of a JVP rule would save per-step intermediates. So the JVP rule
+computes the tangents
 
-$$\dot x_{k+1} = A \dot x_k + r_k, \qquad r_k = \dot A x_k ,$$
+$$\dot x_0 = \dot x_0, \qquad \dot x_{k+1} = A \dot x_k + \dot A x_k$$
 
-starting from the tangent of $x_0$.
+with a primitive (`tangent_p`) that is linear in $(\dot A, \dot x_0)$: its
+implementation is a chunked `lax.scan` (each chunk's $\dot A x_k$ in one batched
+product), and its transpose rule is `adjoint_chunks` above. `jax.jvp` and
+`jax.jacfwd` run the tangent scan; `jax.grad` and `jax.vjp` linearise and
+transpose, which runs the chunked reverse pass with the forward output as the
+only residual. Higher derivatives differentiate these scans with JAX's own rules.
 
-All $r_k$ are computed at once from the stored trajectory as one batched product
-(`operator.mm` differentiated with respect to the operator: one GEMM for a dense
-matrix), and the tangents by one linear `lax.scan`. Both pieces are linear in the
-tangents, so under `jax.grad` JAX transposes them: the scan becomes the reverse scan
-$\lambda_k = g_k + A^\top \lambda_{k+1}$ writing its cotangents into one stacked
-buffer, and the batched product becomes one GEMM $\sum_k \lambda_{k+1} x_k^\top$. The
-only residuals are the forward output and the operator.
+`krylov_custom_vjp` is the same reverse pass as a `jax.custom_vjp`, for reverse
+mode only.
 """
-
-from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -63,10 +50,15 @@ from jax import lax
 from jaxtyping import Array
 
 from ._operator import AbstractOperator
+from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
+
+# How many adjoint (or tangent) vectors a derivative pass keeps at once.
+CHUNK = 64
 
 
 def krylov_scan(operator: AbstractOperator, x0: Array, d: int) -> Array:
-    """The forward pass: `x0` followed by `krylov_tail`, stacked on a new first axis."""
+    r"""$[x_0, A x_0, \dots, A^{d-1} x_0]$ stacked on a new first axis, by one scan."""
+
     return jnp.concatenate([x0[None], krylov_tail(operator, x0, d - 1)])
 
 
@@ -81,11 +73,89 @@ def krylov_tail(operator: AbstractOperator, x0: Array, steps: int) -> Array:
     return tail
 
 
+# ----------------------------------------------------------------- reverse pass
+
+
+def _chunks(steps: int, chunk: int) -> tuple[int, int, int]:
+    """Split the rows 1 .. steps - 1 into `full` chunks of `size` and `rest` more."""
+    size = max(1, min(chunk, steps - 1))
+    full, rest = divmod(steps - 1, size)
+    return size, full, rest
+
+
+def _inexact_zeros(operator: AbstractOperator) -> AbstractOperator:
+    return jtu.tree_map(jnp.zeros_like, eqx.filter(operator, eqx.is_inexact_array))
+
+
+def adjoint_chunks(
+    operator: AbstractOperator,
+    x0: Array,
+    tail: Array,
+    g_tail: Array,
+    want_operator: bool,
+    chunk: int = CHUNK,
+) -> tuple[Array, AbstractOperator | None]:
+    r"""The reverse pass over the computed vectors $x_1, \dots, x_{d-1}$.
+
+    `tail` is the stack $[x_1, \dots, x_{d-1}]$ and `g_tail` its cotangent.
+    Solves $\lambda_i = g_i + A^\top \lambda_{i+1}$ from $i = d - 1$ down to $1$,
+    `chunk` steps at a time (see the module docstring). Returns $\lambda_1$ (the
+    gradient of $x_0$ is then $g_0 + A^\top \lambda_1$) and, if `want_operator`,
+    $\sum_{i \ge 1} \lambda_i x_{i-1}^\top$ as a cotangent of the operator (else
+    `None`).
+    """
+    steps = tail.shape[0]
+    transpose_mv = operator.transpose(x0)
+
+    def reverse(lam_next, g_rows):
+        # The adjoint vectors of the rows of `g_rows`, last first; they are only
+        # stacked when the operator's gradient needs them.
+        def step(lam_next, g_i):
+            lam_i = keep_sharding(g_i + transpose_mv(lam_next), lam_next)
+            return lam_i, lam_i if want_operator else None
+
+        return lax.scan(step, lam_next, g_rows, reverse=True)
+
+    def pairs(start, size, lam_next, acc):
+        # Rows start .. start + size - 1 of the tail: their adjoint vectors, and
+        # the gradient of sum_i <lam_i, A x_(i-1)> over them as one batched
+        # product, added to `acc`.
+        # A slice of the cotangent, not an index into it inside the loop: XLA then
+        # never materialises a broadcast cotangent (the cotangent of `X.sum()`).
+        g_rows = lax.dynamic_slice_in_dim(g_tail, start, size)
+        lam_next, lams = reverse(lam_next, g_rows)
+        if want_operator:
+            rows = lax.dynamic_slice_in_dim(tail, start - 1, size)
+            acc = operator.add_param_vjp(acc, rows, lams)
+        return lam_next, acc
+
+    # Rows 1 .. steps - 1 pair with the stored vector one row up: `full` chunks
+    # of `size` rows and `rest` rows at the end, which go first.
+    size, full, rest = _chunks(steps, chunk)
+    lam_next = jnp.zeros_like(x0)
+    grad = _inexact_zeros(operator) if want_operator else None
+    if rest:
+        lam_next, grad = pairs(steps - rest, rest, lam_next, grad)
+    if full:
+
+        def chunk_step(carry, c):
+            return pairs(1 + c * size, size, *carry), None
+
+        (lam_next, grad), _ = lax.scan(
+            chunk_step, (lam_next, grad), jnp.arange(full), reverse=True
+        )
+    # Row 0, lam_1, pairs with x0, which is not in the tail.
+    lam1 = keep_sharding(g_tail[0] + transpose_mv(lam_next), x0)
+    if want_operator:
+        grad = operator.add_param_vjp(grad, x0[None], lam1[None])
+    return lam1, grad
+
+
 @eqx.filter_custom_vjp
 def krylov_tail_custom_vjp(vjp_arg: tuple[AbstractOperator, Array], d: int) -> Array:
-    # The rule covers x_1, ..., x_(d-1) only; `krylov` puts x0 in front outside of
-    # it. JAX then adds the cotangent of that first slot to the gradient of x0, and
-    # the saved output and the adjoint buffer both have d - 1 rows, not d.
+    # The rule covers x_1, ..., x_(d-1); `krylov_custom_vjp` puts x0 in front
+    # outside of it, so that XLA can fuse that concatenation into its consumers and
+    # JAX adds the cotangent of the first slot to the gradient of x0.
     operator, x0 = vjp_arg
     return krylov_tail(operator, x0, d - 1)
 
@@ -101,65 +171,93 @@ def _krylov_fwd(perturbed, vjp_arg, d):
 def _krylov_bwd(tail, g_tail, perturbed, vjp_arg, d):
     operator, x0 = vjp_arg
     operator_perturbed, _ = perturbed
-    if g_tail is None:
-        g_tail = jnp.zeros_like(tail)
-    # With lam_i the adjoint of x_i: lam_shifted = [lam_2, ..., lam_(d-1), 0] and
-    # lam_1, the adjoint recurrence run over the tail's cotangents.
-    # One transpose serves every step and the final product (for a callable it
-    # linearises the operator, which is then done once).
-    transpose_mv = operator.transpose(x0)
-    lam_shifted, lam1 = adjoint_scan(transpose_mv, g_tail)
-    grad_x0 = keep_sharding(transpose_mv(lam1), x0)
-    if any(jtu.tree_leaves(operator_perturbed)):
-        # sum_(i=1)^(d-1) lam_i x_(i-1)^T: the pairs (lam_(j+2), x_(j+1)) line up row
-        # by row in `lam_shifted` and `tail` (the zero last row pairs with x_(d-1)),
-        # so one batched product covers them without slicing either buffer; the
-        # pair (lam_1, x_0) is added on its own.
-        grad_operator = jtu.tree_map(
-            jnp.add,
-            operator.param_vjp(tail, lam_shifted),
-            operator.param_vjp(x0[None], lam1[None]),
-        )
-    else:
+    # The cotangent may arrive as a NumPy array (`vjp_fn(np.ones(...))`).
+    g_tail = jnp.zeros_like(tail) if g_tail is None else jnp.asarray(g_tail)
+    want_operator = bool(jtu.tree_leaves(operator_perturbed))
+    lam1, grad_operator = adjoint_chunks(operator, x0, tail, g_tail, want_operator)
+    grad_x0 = keep_sharding(operator.transpose(x0)(lam1), x0)
+    if not want_operator:
         grad_operator = jtu.tree_map(
             lambda _: None, eqx.filter(operator, eqx.is_inexact_array)
         )
     return grad_operator, grad_x0
 
 
-def adjoint_scan(
-    transpose_mv: Callable[[Array], Array], g: Array
-) -> tuple[Array, Array]:
-    r"""Solve the adjoint recurrence $\lambda_i = g_i + A^\top \lambda_{i+1}$ backwards.
+def krylov_custom_vjp(operator: AbstractOperator, x0: Array, d: int) -> Array:
+    """`krylov_scan` with the reverse pass of `adjoint_chunks` as a `custom_vjp`."""
+    return jnp.concatenate([x0[None], krylov_tail_custom_vjp((operator, x0), d)])
 
-    `transpose_mv` is $y \mapsto A^\top y$. Returns the buffer
-    $[\lambda_1, \dots, \lambda_{d-1}, 0]$ (stacked on the leading axis) and
-    $\lambda_0$. The buffer is `g` itself, overwritten in place by one reverse scan:
-    step $k$ reads $g_k$ from slot $k$ and then stores $\lambda_{k+1}$ there, so no
-    second buffer of the cotangent's size exists, and the shifted order lines the
-    buffer up with the forward vectors for one GEMM.
+
+# ------------------------------------------------------------ forward mode
+
+
+def tangent_chunks(
+    operator: AbstractOperator,
+    x0: Array,
+    tail: Array,
+    t_operator: AbstractOperator | None,
+    t_x0: Array,
+    chunk: int = CHUNK,
+) -> Array:
+    r"""The tangents $\dot x_{k+1} = A \dot x_k + \dot A x_k$ of the tail.
+
+    Returns $[\dot x_1, \dots, \dot x_{d-1}]$, stacked like `tail`. Runs `chunk`
+    steps at a time, each chunk's $\dot A x_k$ as one batched product
+    (`operator.mm` differentiated in the direction `t_operator`); `t_operator`
+    `None` means $\dot A = 0$.
     """
-    d = g.shape[0]
-    lam_last = g[d - 1]
-    lam = lax.dynamic_update_index_in_dim(g, jnp.zeros_like(lam_last), d - 1, 0)
+    steps = tail.shape[0]
 
-    def step(carry, _):
-        k, lam_next, lam = carry
-        lam_k = lax.dynamic_index_in_dim(lam, k, 0, keepdims=False)
-        lam_k = keep_sharding(lam_k + transpose_mv(lam_next), lam_next)
-        # Adding `min(|lam_k|, 0)`, which is zero unless lam_k is already nan, makes
-        # the write below depend on the read above, so XLA orders them and updates
-        # the buffer in place instead of copying it every step.
-        lam_next = lam_next + jnp.minimum(jnp.abs(lam_k), 0).astype(lam_k.dtype)
-        lam = lax.dynamic_update_index_in_dim(lam, lam_next, k, 0)
-        return (k - 1, lam_k, lam), None
+    def forward(t, xs):
+        if t_operator is None:
+            r = None
+        else:
+            _, r = eqx.filter_jvp(lambda op: op.mm(xs), (operator,), (t_operator,))
 
-    (_, lam0, lam), _ = lax.scan(step, (d - 2, lam_last, lam), length=d - 1)
-    return lam, lam0
+        def step(t, r_k):
+            t_next = operator.mv(t) if r_k is None else operator.mv(t) + r_k
+            t_next = keep_sharding(t_next, t)
+            return t_next, t_next
+
+        return lax.scan(step, t, r, length=xs.shape[0])
+
+    # Step 0 uses x0; steps 1 .. steps - 1 use the tail one row up.
+    t, first = forward(t_x0, x0[None])
+    parts = [first]
+    size, full, rest = _chunks(steps, chunk)
+    if full:
+
+        def chunk_step(t, c):
+            return forward(t, lax.dynamic_slice_in_dim(tail, c * size, size))
+
+        t, ts = lax.scan(chunk_step, t, jnp.arange(full))
+        parts.append(ts.reshape(full * size, *ts.shape[2:]))
+    if rest:
+        _, ts = forward(t, tail[full * size : full * size + rest])
+        parts.append(ts)
+    return jnp.concatenate(parts)
+
+
+def _tangent_transpose(inputs, g):
+    operator, x0, tail, t_operator, t_x0 = inputs
+    want_operator = is_tangent(t_operator)
+    lam1, ct_operator = adjoint_chunks(operator, x0, tail, g, want_operator)
+    ct_x0 = keep_sharding(operator.transpose(x0)(lam1), x0)
+    if want_operator:
+        ct_operator = like_tangent(t_operator, ct_operator)
+    else:
+        ct_operator = nones(t_operator)
+    return nones(operator), nones(x0), nones(tail), ct_operator, ct_x0
+
+
+# Arguments: (operator, x0, tail, t_operator, t_x0); the tangents are like `tail`.
+krylov_tangent = tangent_primitive(
+    "krylov_tangent", tangent_chunks, _tangent_transpose, like=2
+)
 
 
 @eqx.filter_custom_jvp
-def krylov_custom_jvp(operator: AbstractOperator, x0, *, d: int):
+def krylov_custom_jvp(operator: AbstractOperator, x0: Array, *, d: int) -> Array:
     return krylov_scan(operator, x0, d)
 
 
@@ -167,26 +265,14 @@ def krylov_custom_jvp(operator: AbstractOperator, x0, *, d: int):
 def _krylov_jvp(primals, tangents, *, d):
     operator, x0 = primals
     t_operator, t_x0 = tangents
-    xs = krylov_scan(operator, x0, d)
+    tail = krylov_tail(operator, x0, d - 1)
     t_x0 = jnp.zeros_like(x0) if t_x0 is None else t_x0
-    if t_operator is None or not jtu.tree_leaves(t_operator):
-        r = None
-    else:
-        # r_k = (dA) x_k for every stored x_k at once: linear in the operator tangent.
-        # All d vectors are used (r_(d-1) is not needed) so that no slice of the
-        # stored trajectory is copied.
-        _, r = eqx.filter_jvp(lambda op: op.mm(xs), (operator,), (t_operator,))
-
-    def step(t, r_k):
-        t_next = operator.mv(t) if r_k is None else operator.mv(t) + r_k
-        return keep_sharding(t_next, t), t
-
-    # d steps that emit the tangent before updating it: the stacked output is the
-    # whole tangent trajectory, so under transposition the output cotangent feeds the
-    # reverse scan directly and the cotangent of r lands in one stacked buffer. The
-    # last update is not needed; it costs one matrix-vector product.
-    _, t_xs = lax.scan(step, t_x0, r, length=d)
-    return xs, t_xs
+    if t_operator is not None and not jtu.tree_leaves(t_operator):
+        t_operator = None
+    t_tail = krylov_tangent(operator, x0, tail, t_operator, t_x0)
+    # x0 goes in front outside the primitive, as for `krylov_custom_vjp`.
+    xs = jnp.concatenate([x0[None], tail])
+    return xs, jnp.concatenate([t_x0[None], t_tail])
 
 
 def keep_sharding(y: Array, like: Array) -> Array:

@@ -1,0 +1,265 @@
+"""The defaults of `krylov` are safe, lean and differentiable in both modes.
+
+- The default method is the scan: it never returns `nan` where the scan is finite
+  (doubling's powers overflow for growing modes that `x0` never touches).
+- One default rule serves forward and reverse mode.
+- `jax.grad` with the defaults needs at most the compiled temporary memory of plain
+  autodiff through a `lax.scan` plus a few chunks of adjoint vectors and one `(n, n)`
+  product, for every form of loss.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_trees_close, random_matrix
+from jax.experimental import sparse
+
+import krylovjax
+from krylovjax.nn import KrylovGraphConv, LinearDynamics, StateSpaceConv
+
+
+def _temp_bytes(fn, *args):
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+# ------------------------------------------------------------ the default method
+
+
+def test_default_is_finite_where_the_scan_is():
+    # A mode that grows (1.2^k overflows float32 from k = 487) and an x0 that never
+    # touches it: the exact values are [0, 0.5^k]. Doubling forms A^512 = inf and
+    # multiplies it by 0.
+    A = jnp.diag(jnp.array([1.2, 0.5], jnp.float32))
+    x0 = jnp.array([0.0, 1.0], jnp.float32)
+    X = krylovjax.krylov(A, x0, 1024)
+    assert bool(jnp.isfinite(X).all())
+    exact = 0.5 ** np.arange(1024, dtype=np.float64)
+    np.testing.assert_allclose(X[1], exact, rtol=1e-5, atol=1e-37)
+    grad = jax.grad(lambda x: krylovjax.krylov(A, x, 1024)[:, :20].sum())(x0)
+    np.testing.assert_allclose(grad, [sum(1.2**k for k in range(20)), 2.0], rtol=1e-5)
+    # Doubling asked for explicitly keeps its documented limit.
+    assert bool(jnp.isnan(krylovjax.krylov(A, x0, 1024, method="doubling")).any())
+
+
+@pytest.mark.parametrize("d", [1024, 4096])
+def test_default_matches_the_scan_on_a_reflection(d):
+    # The scan reproduces a reflection's powers almost exactly; doubling's error
+    # grows with d. The default is the scan itself.
+    c, s = np.cos(0.4), np.sin(0.4)
+    A = jnp.array([[c, s], [s, -c]], jnp.float32)
+    x0 = jnp.array([1.0, 0.3], jnp.float32)
+    X = krylovjax.krylov(A, x0, d)
+    np.testing.assert_array_equal(X, krylovjax.krylov(A, x0, d, method="scan"))
+
+
+# ------------------------------------------------------ forward mode by default
+
+
+def _plain(A, x0, d):
+    return krylovjax.krylov(A, x0, d, adjoint="autodiff")
+
+
+@pytest.mark.parametrize("block", [None, 3])
+def test_forward_and_reverse_modes_with_the_defaults(block):
+    key_a, key_x = jax.random.split(jax.random.key(0))
+    A = random_matrix(key_a, 4, jnp.float64, scale=0.5)
+    x0 = jax.random.normal(key_x, (4,) if block is None else (4, block), jnp.float64)
+    d = 70  # more than one chunk of the reverse pass
+
+    def f(A, x0):
+        return jnp.sum(jnp.sin(krylovjax.krylov(A, x0, d)))
+
+    def g(A, x0):
+        return jnp.sum(jnp.sin(_plain(A, x0, d)))
+
+    tangents = (jnp.ones_like(A), jnp.ones_like(x0))
+    assert_trees_close(jax.jvp(f, (A, x0), tangents), jax.jvp(g, (A, x0), tangents))
+    assert_trees_close(jax.jacfwd(f, (0, 1))(A, x0), jax.jacfwd(g, (0, 1))(A, x0))
+    assert_trees_close(jax.grad(f, (0, 1))(A, x0), jax.grad(g, (0, 1))(A, x0))
+    _, lin = jax.linearize(f, A, x0)
+    _, lin_ref = jax.linearize(g, A, x0)
+    assert_trees_close(lin(*tangents), lin_ref(*tangents))
+    hess = jax.hessian(lambda A: f(A, x0))(A)
+    assert_trees_close(hess, jax.hessian(lambda A: g(A, x0))(A))
+    rev_fwd = jax.jacrev(jax.jacfwd(lambda A: f(A, x0)))(A)
+    assert_trees_close(rev_fwd, hess)
+
+
+def test_iterate_forward_and_reverse_modes_with_the_defaults():
+    W = random_matrix(jax.random.key(7), 4, jnp.float64, scale=0.5)
+    x0 = (jnp.ones(4, jnp.float64), jnp.array(1.0, jnp.float64))
+
+    def f(W, x0, adjoint="custom_jvp"):
+        def step(s):
+            return jnp.tanh(W @ s[0]), 0.9 * s[1] + s[0].sum()
+
+        xs = krylovjax.iterate(step, x0, 30, adjoint=adjoint)
+        return jnp.sum(xs[0] ** 2) + jnp.sum(jnp.sin(xs[1]))
+
+    def g(W, x0):
+        return f(W, x0, adjoint="autodiff")
+
+    assert_trees_close(
+        jax.jvp(lambda x: f(W, x), (x0,), (x0,)),
+        jax.jvp(lambda x: g(W, x), (x0,), (x0,)),
+    )
+    assert_trees_close(jax.jacfwd(f)(W, x0), jax.jacfwd(g)(W, x0))
+    assert_trees_close(jax.grad(f, (0, 1))(W, x0), jax.grad(g, (0, 1))(W, x0))
+    assert_trees_close(
+        jax.hessian(lambda W: f(W, x0))(W), jax.hessian(lambda W: g(W, x0))(W)
+    )
+
+
+def test_iterate_default_keeps_only_the_trajectory():
+    # An MLP step of hidden width 256: plain autodiff saves every hidden layer; the
+    # default's reverse pass (the transpose of its tangent map) recomputes them, as
+    # the custom_vjp does, so both need the same temporary memory.
+    keys = jax.random.split(jax.random.key(8), 3)
+    W1 = jax.random.normal(keys[0], (256, 16)) / 16
+    W2 = jax.random.normal(keys[1], (16, 256)) / 16
+    x0 = jax.random.normal(keys[2], (16,))
+
+    def grad(adjoint):
+        def f(W1, W2, x0):
+            def step(x):
+                return x + 0.1 * jnp.tanh(W2 @ jnp.tanh(W1 @ x))
+
+            return jnp.sum(krylovjax.iterate(step, x0, 300, adjoint=adjoint) ** 2)
+
+        return jax.grad(f, (0, 1, 2))
+
+    default = _temp_bytes(grad("custom_jvp"), W1, W2, x0)
+    assert default <= _temp_bytes(grad("custom_vjp"), W1, W2, x0)
+    assert 3 * default < _temp_bytes(grad("autodiff"), W1, W2, x0)
+
+
+def test_default_rule_runs_and_is_not_plain_autodiff():
+    # The hand-written reverse pass sums in another order than JAX's transposition
+    # of the scan: close, but not bitwise equal.
+    A = random_matrix(jax.random.key(1), 6, jnp.float64)
+    x0 = jnp.ones(6, jnp.float64)
+    W = jax.random.normal(jax.random.key(2), (6, 200), jnp.float64)
+
+    def loss(build):
+        return lambda A: jnp.sum(build(A, x0, 200) * W)
+
+    ours = jax.grad(loss(krylovjax.krylov))(A)
+    plain = jax.grad(loss(_plain))(A)
+    assert_trees_close(ours, plain)
+    assert not np.array_equal(ours, plain)
+
+
+def test_vmap_and_grad_compose_with_the_defaults():
+    A = random_matrix(jax.random.key(3), 5, jnp.float64)
+    x0s = jax.random.normal(jax.random.key(4), (3, 5), jnp.float64)
+
+    def per_example(build):
+        return jax.vmap(jax.grad(lambda A, x: build(A, x, 70).sum()), (None, 0))
+
+    def batched(build):
+        return jax.grad(lambda A: jax.vmap(lambda x: build(A, x, 70).sum())(x0s).sum())
+
+    assert_trees_close(
+        per_example(krylovjax.krylov)(A, x0s), per_example(_plain)(A, x0s)
+    )
+    assert_trees_close(batched(krylovjax.krylov)(A), batched(_plain)(A))
+
+
+def test_layers_support_forward_mode():
+    key = jax.random.key(5)
+    model = LinearDynamics(3, 20, key=key)
+    tangent = jax.tree.map(jnp.ones_like, model)
+    _, out = jax.jvp(lambda m: m(), (model,), (tangent,))
+    assert out.shape == (20, 3)
+
+    ssm = StateSpaceConv(4, 2, 3, 30, key=key)
+    u = jnp.ones((30, 2))
+    jac = jax.jacfwd(lambda u: ssm(u))(u)
+    assert jac.shape == (30, 3, 30, 2)
+
+    conv = KrylovGraphConv(2, 3, 2, key=key)
+    adjacency = sparse.BCOO.fromdense(jnp.eye(4) * 0.5)
+    H = jnp.ones((4, 2))
+    _, t = jax.jvp(lambda H: conv(adjacency, H), (H,), (H,))
+    assert t.shape == (4, 3)
+
+
+# ------------------------------------------------ memory for every form of loss
+
+
+N, D = 16, 500
+LOSSES = (
+    "sum",
+    "mean",
+    "constant_weights",
+    "weights_argument",
+    "tanh",
+    "readout",
+    "last",
+)
+
+
+def _loss(kind, X, W):
+    if kind == "sum":
+        return X.sum()
+    if kind == "mean":
+        return X.mean()
+    if kind == "constant_weights":
+        return jnp.sum(X * jnp.arange(X.size, dtype=X.dtype).reshape(X.shape))
+    if kind == "weights_argument":
+        return jnp.sum(X * W)
+    if kind == "tanh":
+        return jnp.sum(jnp.tanh(X) ** 2)
+    if kind == "readout":
+        C = jnp.linspace(-1.0, 1.0, 3 * N, dtype=X.dtype).reshape(3, N)
+        return jnp.sum(jnp.tensordot(C, X, 1) ** 2)
+    return X[:, -1].sum()
+
+
+def _operator(kind, A, like):
+    if kind == "dense":
+        return A
+    if kind == "bcoo":
+        # `A` holds the stored values of `like`'s pattern.
+        return sparse.BCOO((A, like.indices), shape=like.shape)
+    return lambda x: A @ x
+
+
+BCOO_GAP = pytest.mark.xfail(
+    strict=True,
+    reason="BCOO's sampled product per chunk and its transposed copy still need "
+    "about 5x plain autodiff's temporary memory at this size (the sparse path is "
+    "reworked separately)",
+)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize(
+    "kind", ["dense", pytest.param("bcoo", marks=BCOO_GAP), "callable"]
+)
+@pytest.mark.parametrize("block", [None, 4])
+def test_grad_memory_at_most_plain_autodiff(loss, kind, block):
+    A = random_matrix(jax.random.key(6), N, jnp.float32)
+    like = sparse.BCOO.fromdense(A)
+    if kind == "bcoo":
+        A = like.data
+    shape = (N,) if block is None else (N, block)
+    x0 = jnp.ones(shape, jnp.float32)
+    W = jnp.ones((N, D) if block is None else (N, D, block), jnp.float32)
+
+    def grad(adjoint):
+        def f(A, x0, W):
+            X = krylovjax.krylov(_operator(kind, A, like), x0, D, adjoint=adjoint)
+            return _loss(loss, X, W)
+
+        return jax.grad(f, (0, 1))
+
+    ours = _temp_bytes(grad(None), A, x0, W)
+    plain = _temp_bytes(grad("autodiff"), A, x0, W)
+    vector_bytes = 4 * int(np.prod(shape))
+    # A chunk of 64 adjoint vectors, the matching slices of the cotangent and of the
+    # stored vectors, and the (n, n) product of one chunk.
+    allowance = 3 * 64 * vector_bytes + 4 * N * N
+    assert ours <= plain + allowance, (ours, plain, allowance)
