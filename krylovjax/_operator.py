@@ -63,35 +63,33 @@ class AbstractOperator(eqx.Module):
 
 
 # The reverse pass adds each chunk's (n, n) gradient of a dense matrix into its
-# running sum this many columns at a time, so that no second (n, n) array exists.
-COLUMN_BLOCK = 64
+# running sum this many rows at a time, so that no second (n, n) array exists.
+ROW_BLOCK = 64
 
 
-def _add_by_columns(acc: Array, product: Callable[[int | Array, int], Array]) -> Array:
-    """`acc + P` for an `(n, m)` `P` given by columns: `product(start, size)` is
-    `P[:, start:start + size]`. Blocks of `COLUMN_BLOCK` columns, each added in
-    place, so the temporary is one block rather than a second `(n, m)` array."""
-    m = acc.shape[1]
-    full, rest = divmod(m, COLUMN_BLOCK)
+def _add_by_rows(acc: Array, product: Callable[[int | Array, int], Array]) -> Array:
+    """`acc + P` for an `(m, n)` `P` given by rows: `product(start, size)` is
+    `P[start:start + size]`. Blocks of `ROW_BLOCK` rows (contiguous in memory), each
+    added in place, so the temporary is one block rather than a second `(m, n)`
+    array."""
+    full, rest = divmod(acc.shape[0], ROW_BLOCK)
 
     def add(acc, start, size):
-        block = lax.dynamic_slice_in_dim(acc, start, size, axis=1)
+        block = lax.dynamic_slice_in_dim(acc, start, size)
         return lax.dynamic_update_slice_in_dim(
-            acc, block + product(start, size), start, axis=1
+            acc, block + product(start, size), start, 0
         )
 
-    acc = lax.fori_loop(
-        0, full, lambda j, acc: add(acc, j * COLUMN_BLOCK, COLUMN_BLOCK), acc
-    )
-    return add(acc, full * COLUMN_BLOCK, rest) if rest else acc
+    acc = lax.fori_loop(0, full, lambda j, acc: add(acc, j * ROW_BLOCK, ROW_BLOCK), acc)
+    return add(acc, full * ROW_BLOCK, rest) if rest else acc
 
 
-def _by_columns(matrix: Array) -> bool:
-    # Worth it once the matrix is wider than a block; on an explicit mesh the
+def _by_rows(matrix: Array) -> bool:
+    # Worth it once the matrix is taller than a block; on an explicit mesh the
     # product states its sharding instead (see `param_vjp`).
     mesh = jax.typeof(matrix).sharding.mesh
     explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-    return matrix.shape[1] > COLUMN_BLOCK and not explicit
+    return matrix.shape[0] > ROW_BLOCK and not explicit
 
 
 def _cotangent(operator: AbstractOperator) -> AbstractOperator:
@@ -132,15 +130,15 @@ class DenseOperator(AbstractOperator):
         return _cotangent(DenseOperator(grad))
 
     def add_param_vjp(self, acc: AbstractOperator, xs: Array, cts: Array):
-        if not _by_columns(self.matrix):
+        if not _by_rows(self.matrix):
             return super().add_param_vjp(acc, xs, cts)
         axes = (0, *range(2, xs.ndim))
 
         def product(start, size):
-            cols = lax.dynamic_slice_in_dim(xs, start, size, axis=1)
-            return lax.dot_general(cts, cols, ((axes, axes), ((), ())))
+            rows = lax.dynamic_slice_in_dim(cts, start, size, axis=1)
+            return lax.dot_general(rows, xs, ((axes, axes), ((), ())))
 
-        return _cotangent(DenseOperator(_add_by_columns(acc.matrix, product)))
+        return _cotangent(DenseOperator(_add_by_rows(acc.matrix, product)))
 
 
 class DenseRowsOperator(AbstractOperator):
@@ -191,17 +189,17 @@ class DenseRowsOperator(AbstractOperator):
         return _cotangent(DenseRowsOperator(grad))
 
     def add_param_vjp(self, acc: AbstractOperator, xs: Array, cts: Array):
-        if not _by_columns(self.transposed):
+        if not _by_rows(self.transposed):
             return super().add_param_vjp(acc, xs, cts)
         n = xs.shape[-1]
         rows = math.prod(xs.shape[:-1])
         lhs, rhs = xs.reshape(rows, n), cts.reshape(rows, n)
 
         def product(start, size):
-            cols = lax.dynamic_slice_in_dim(rhs, start, size, axis=1)
-            return lax.dot_general(lhs, cols, (((0,), (0,)), ((), ())))
+            part = lax.dynamic_slice_in_dim(lhs, start, size, axis=1)
+            return lax.dot_general(part, rhs, (((0,), (0,)), ((), ())))
 
-        return _cotangent(DenseRowsOperator(_add_by_columns(acc.transposed, product)))
+        return _cotangent(DenseRowsOperator(_add_by_rows(acc.transposed, product)))
 
 
 class SparseOperator(AbstractOperator):
