@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_trees_close, random_matrix
+from hypothesis import example, given, settings, strategies as st
 from jax.experimental import sparse
 
 import krylovjax
@@ -263,3 +264,80 @@ def test_grad_memory_at_most_plain_autodiff(loss, kind, block):
     # stored vectors, and the (n, n) product of one chunk.
     allowance = 3 * 64 * vector_bytes + 4 * N * N
     assert ours <= plain + allowance, (ours, plain, allowance)
+
+
+# ------------------------------------- the guarantee over random matrix families
+
+
+def _family(kind, n, rng):
+    """A float64 matrix and x0 of one of the families the default must survive."""
+    if kind == "growing_mode_avoided":
+        # A block-triangular A with a growing block that x0 has no component in.
+        A = np.zeros((n, n))
+        A[0, 0] = 1.5
+        A[1:, 1:] = 0.9 * np.linalg.qr(rng.standard_normal((n - 1, n - 1)))[0]
+        A[1:, 0] = rng.standard_normal(n - 1)
+        x0 = np.r_[0.0, rng.standard_normal(n - 1)]
+    elif kind == "stable_x0_radius_1_5":
+        eig = np.r_[1.5, rng.uniform(-0.9, 0.9, n - 1)]
+        A = np.diag(eig)
+        x0 = np.r_[0.0, rng.standard_normal(n - 1)]
+    elif kind == "orthogonal":
+        A = np.linalg.qr(rng.standard_normal((n, n)))[0]
+        x0 = rng.standard_normal(n)
+    else:  # non-normal: a contracting Jordan-like block with a large coupling
+        A = np.diag(np.full(n, 0.9)) + np.diag(np.full(n - 1, 3.0), 1)
+        x0 = rng.standard_normal(n)
+    return A, x0
+
+
+@settings(max_examples=12, deadline=None)
+@example(kind="growing_mode_avoided", n=2, d=1100, seed=0)
+@example(kind="stable_x0_radius_1_5", n=3, d=1100, seed=1)
+@given(
+    kind=st.sampled_from(
+        ["growing_mode_avoided", "stable_x0_radius_1_5", "orthogonal", "non_normal"]
+    ),
+    n=st.integers(2, 6),
+    d=st.sampled_from([64, 300, 1100]),
+    seed=st.integers(0, 2**16),
+)
+def test_default_never_worse_than_the_scan(kind, n, d, seed):
+    # Values and gradients with the defaults are finite wherever the scan's are, and
+    # within 10x the scan's error against a float64 reference.
+    A64, x64 = _family(kind, n, np.random.default_rng(seed))
+    A, x0 = jnp.asarray(A64, jnp.float32), jnp.asarray(x64, jnp.float32)
+    W = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((n, d)))
+
+    def run(A, x0, **kwargs):
+        def loss(A, x0):
+            return jnp.sum(krylovjax.krylov(A, x0, d, **kwargs)[:, :32] * W[:, :32])
+
+        grads = jax.grad(loss, (0, 1))(A, x0)
+        return (krylovjax.krylov(A, x0, d, **kwargs), *grads)
+
+    reference = run(jnp.asarray(A64), jnp.asarray(x64), method="scan")
+    default, scan = run(A, x0), run(A, x0, method="scan")
+    for ours, theirs, ref in zip(default, scan, reference, strict=True):
+        ref = np.asarray(ref)
+        finite = np.isfinite(np.asarray(theirs))
+        assert np.isfinite(np.asarray(ours))[finite].all()
+        err = np.abs(np.asarray(ours, np.float64) - ref)[finite].max(initial=0.0)
+        err_scan = np.abs(np.asarray(theirs, np.float64) - ref)[finite].max(initial=0.0)
+        assert err <= 10 * err_scan + 1e-30
+
+
+def test_default_at_a_million_steps():
+    # The issue's case: a rotation in float32 at d = 10**6; the default's x0
+    # gradient stays as accurate as the scan's (doubling's was 300x worse).
+    A = jnp.array([[0.6, 0.8], [-0.8, 0.6]], jnp.float32)
+    x0 = jnp.array([1.0, 0.0], jnp.float32)
+    d = 10**6
+
+    def grad(A, x0, **kwargs):
+        return jax.grad(lambda x: krylovjax.krylov(A, x, d, **kwargs).sum())(x0)
+
+    ref = grad(A.astype(jnp.float64), x0.astype(jnp.float64), method="scan")
+    err = np.abs(np.asarray(grad(A, x0), np.float64) - ref).max()
+    err_scan = np.abs(np.asarray(grad(A, x0, method="scan"), np.float64) - ref).max()
+    assert err <= 10 * err_scan
