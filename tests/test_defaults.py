@@ -88,6 +88,21 @@ def test_forward_and_reverse_modes_with_the_defaults(block):
     assert_trees_close(rev_fwd, hess)
 
 
+def test_linear_transpose_with_the_defaults():
+    # krylov and iterate are linear in x0 for a fixed linear step: JAX can transpose
+    # them, which runs the hand-written reverse pass.
+    A = random_matrix(jax.random.key(9), 4, jnp.float64)
+    x0 = jnp.ones(4, jnp.float64)
+    ct = jax.random.normal(jax.random.key(10), (4, 70), jnp.float64)
+    want = jax.vjp(lambda x: _plain(A, x, 70), x0)[1](ct)
+    got = jax.linear_transpose(lambda x: krylovjax.krylov(A, x, 70), x0)(ct)
+    assert_trees_close(got, want)
+    got = jax.linear_transpose(lambda x: krylovjax.iterate(lambda v: A @ v, x, 70), x0)(
+        ct.T
+    )
+    assert_trees_close(got, want)
+
+
 def test_iterate_forward_and_reverse_modes_with_the_defaults():
     W = random_matrix(jax.random.key(7), 4, jnp.float64, scale=0.5)
     x0 = (jnp.ones(4, jnp.float64), jnp.array(1.0, jnp.float64))
