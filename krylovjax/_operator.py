@@ -67,21 +67,23 @@ class AbstractOperator(eqx.Module):
 ROW_BLOCK = 64
 
 
-def _add_by_rows(acc: Array, product: Callable[[int | Array, int], Array]) -> Array:
-    """`acc + P` for an `(m, n)` `P` given by rows: `product(start, size)` is
-    `P[start:start + size]`. Blocks of `ROW_BLOCK` rows (contiguous in memory), each
-    added in place, so the temporary is one block rather than a second `(m, n)`
-    array."""
-    full, rest = divmod(acc.shape[0], ROW_BLOCK)
+def _add_by_rows(
+    acc: Array, product: Callable[[int | Array, int], Array], block: int = ROW_BLOCK
+) -> Array:
+    """`acc + P` for a `P` like `acc` given by rows: `product(start, size)` is
+    `P[start:start + size]`. Blocks of `block` rows (contiguous in memory), each
+    added in place, so the temporary is one block rather than a second `acc`."""
+    full, rest = divmod(acc.shape[0], block)
 
     def add(acc, start, size):
-        block = lax.dynamic_slice_in_dim(acc, start, size)
+        part = lax.dynamic_slice_in_dim(acc, start, size)
         return lax.dynamic_update_slice_in_dim(
-            acc, block + product(start, size), start, 0
+            acc, part + product(start, size), start, 0
         )
 
-    acc = lax.fori_loop(0, full, lambda j, acc: add(acc, j * ROW_BLOCK, ROW_BLOCK), acc)
-    return add(acc, full * ROW_BLOCK, rest) if rest else acc
+    if full:
+        acc = lax.fori_loop(0, full, lambda j, acc: add(acc, j * block, block), acc)
+    return add(acc, full * block, rest) if rest else acc
 
 
 def _by_rows(matrix: Array) -> bool:
@@ -232,6 +234,23 @@ class SparseOperator(AbstractOperator):
         _, vjp = jax.vjp(apply, self.matrix.data)
         (grad,) = vjp(_as_columns(cts))
         return _cotangent(SparseOperator(sparse.BCOO((grad, indices), shape=shape)))
+
+    def add_param_vjp(self, acc: AbstractOperator, xs: Array, cts: Array):
+        # data_j += sum_k ct_k[row_j] . x_k[col_j], a block of stored entries at a
+        # time: the gathered rows are (k, n / 4, *b), a quarter of a chunk of
+        # vectors, never (k, nnz, *b) as the batched VJP of `param_vjp` would be.
+        indices, shape = self.matrix.indices, self.matrix.shape
+        block = max(1, shape[0] // 4)
+        axes = (0, *range(2, xs.ndim))
+
+        def product(start, size):
+            entries = lax.dynamic_slice_in_dim(indices, start, size)
+            ct_rows = jnp.take(cts, entries[:, 0], axis=1)
+            x_cols = jnp.take(xs, entries[:, 1], axis=1)
+            return jnp.sum(ct_rows * x_cols, axis=axes)
+
+        data = _add_by_rows(acc.matrix.data, product, block)
+        return _cotangent(SparseOperator(sparse.BCOO((data, indices), shape=shape)))
 
 
 def _as_columns(xs: Shaped[Array, "k n *b"]) -> Shaped[Array, "n k*b"]:

@@ -243,18 +243,8 @@ def _operator(kind, A, like):
     return lambda x: A @ x
 
 
-BCOO_GAP = pytest.mark.xfail(
-    strict=True,
-    reason="BCOO's sampled product per chunk and its transposed copy still need "
-    "about 5x plain autodiff's temporary memory at this size (the sparse path is "
-    "reworked separately)",
-)
-
-
 @pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize(
-    "kind", ["dense", pytest.param("bcoo", marks=BCOO_GAP), "callable"]
-)
+@pytest.mark.parametrize("kind", ["dense", "bcoo", "callable"])
 @pytest.mark.parametrize("block", [None, 4])
 def test_grad_memory_at_most_plain_autodiff(loss, kind, block):
     A = random_matrix(jax.random.key(6), N, jnp.float32)
