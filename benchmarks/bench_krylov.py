@@ -3,10 +3,10 @@
 Four ways of building the Krylov matrix X = [x0, A x0, ..., A^(d-1) x0] of shape
 (n, d) are compared, all jitted, on the CPU in float32:
 
-- `krylovjax`: `krylovjax.krylov(A, x0, d, method="scan")` with its default
-  (hand-written) adjoint;
-- `kj_jvp`: the same with `adjoint="custom_jvp"` (forward-mode capable; its reverse
-  pass is JAX's transposition of the hand-written JVP rule);
+- `krylovjax`: `krylovjax.krylov(A, x0, d)` with its defaults (the scan, and the
+  rule that serves forward and reverse mode, whose reverse pass is the chunked
+  hand-written adjoint);
+- `kj_vjp`: the same reverse pass as a `jax.custom_vjp` (`adjoint="custom_vjp"`);
 - `scan`: a plain `lax.scan` that returns the stacked vectors, `x0` concatenated in
   front, differentiated by JAX's own rules;
 - `unrolled`: a Python loop over `d - 1` products, `jnp.stack`-ed at the end;
@@ -48,7 +48,7 @@ from jax import lax  # noqa: E402
 
 import krylovjax  # noqa: E402
 
-METHODS = ("krylovjax", "kj_jvp", "scan", "unrolled", "concat")
+METHODS = ("krylovjax", "kj_vjp", "scan", "unrolled", "concat")
 # The unrolled loop and concatenate growth trace d separate operations, and XLA's
 # compile time grows faster than linearly in d (at n = 8 on a loaded 2-core machine:
 # grad of `unrolled` compiled in 3.6 s at d = 100 and 12 s at d = 200; grad of
@@ -68,6 +68,8 @@ FULL = {
     "min_repeats": 5,
     "max_repeats": 200,
     "block_sizes": [(64, 1024, 8), (256, 1024, 8)],
+    "loss_sizes": [(512, 200, None), (32, 5000, None), (256, 1024, 8)],
+    "doubling_sizes": [(16, 4096), (64, 4096)],
 }
 QUICK = {
     "sizes": [(3, 10), (16, 20)],
@@ -80,6 +82,8 @@ QUICK = {
     "min_repeats": 3,
     "max_repeats": 10,
     "block_sizes": [(16, 20, 4)],
+    "loss_sizes": [(16, 100, None), (8, 100, 2)],
+    "doubling_sizes": [(8, 256)],
 }
 
 
@@ -88,13 +92,11 @@ QUICK = {
 
 
 def krylov_krylovjax(A, x0, d):
-    # The scan path with the default (hand-written) adjoint; `method="scan"` pins it
-    # so that the numbers do not depend on what `method="auto"` picks.
-    return krylovjax.krylov(A, x0, d, method="scan")
+    return krylovjax.krylov(A, x0, d)
 
 
-def krylov_kj_jvp(A, x0, d):
-    return krylovjax.krylov(A, x0, d, method="scan", adjoint="custom_jvp")
+def krylov_kj_vjp(A, x0, d):
+    return krylovjax.krylov(A, x0, d, adjoint="custom_vjp")
 
 
 def krylov_scan(A, x0, d):
@@ -122,7 +124,7 @@ def krylov_concat(A, x0, d):
 
 BUILDERS: dict[str, Callable] = {
     "krylovjax": krylov_krylovjax,
-    "kj_jvp": krylov_kj_jvp,
+    "kj_vjp": krylov_kj_vjp,
     "scan": krylov_scan,
     "unrolled": krylov_unrolled,
     "concat": krylov_concat,
@@ -286,7 +288,7 @@ def run_block_sizes(sizes, config, log) -> list[dict]:
     """krylovjax against plain scan for a block x0 of shape (n, b)."""
     results = []
     for n, d, b in sizes:
-        methods = ["krylovjax", "kj_jvp", "scan"]
+        methods = ["krylovjax", "kj_vjp", "scan"]
         for method, r in measure_size(methods, n, d, config, b).items():
             results.append(r)
             log(
@@ -294,6 +296,73 @@ def run_block_sizes(sizes, config, log) -> list[dict]:
                 f"fwd {r['forward']['median_s'] * 1e3:9.3f} ms  "
                 f"grad {r['grad']['median_s'] * 1e3:9.3f} ms"
             )
+    return results
+
+
+# Every form of loss a model puts on X: the cotangent that reaches the reverse pass
+# is then a broadcast constant (sum, mean), a constant or passed-in weight, a fresh
+# array (a nonlinear readout, C @ X), or zero but for one column.
+LOSSES = {
+    "sum": lambda X, W: X.sum(),
+    "mean": lambda X, W: X.mean(),
+    "constant weights": lambda X, W: jnp.sum(
+        X * jnp.cos(jnp.arange(X.size)).reshape(X.shape)
+    ),
+    "weights argument": lambda X, W: jnp.sum(X * W),
+    "tanh readout": lambda X, W: jnp.sum(jnp.tanh(X) ** 2),
+    "C @ X readout": lambda X, W: jnp.sum(
+        jnp.tensordot(jnp.ones((4, X.shape[0]), X.dtype), X, 1) ** 2
+    ),
+    "last column": lambda X, W: X[:, -1].sum(),
+}
+
+
+def run_losses(sizes, config, log) -> list[dict]:
+    """Temporary memory (and time) of `grad` for every form of loss."""
+    results = []
+    for n, d, b in sizes:
+        A, x0, W = problem(n, d, b)
+        for loss_name, loss in LOSSES.items():
+            entries, row = [], {"n": n, "d": d, "b": b, "loss": loss_name}
+            for method in ("krylovjax", "scan"):
+                build = BUILDERS[method]
+
+                def f(A, x0, W, build=build, loss=loss, d=d):
+                    return loss(build(A, x0, d), W)
+
+                compiled, _ = compile_fn(jax.grad(f, argnums=(0, 1)), (A, x0, W))
+                row[method] = memory(compiled)["temp_bytes"]
+                entries.append({"compiled": compiled, "args": (A, x0, W), "into": {}})
+            time_interleaved(entries, config)
+            row["time_ratio"] = statistics.median(
+                entries[0]["times"]
+            ) / statistics.median(entries[1]["times"])
+            log(
+                f"  {loss_name:>16} n={n:<4} d={d:<5} b={b} temp "
+                f"{row['krylovjax'] / 1024:.0f} vs {row['scan'] / 1024:.0f} KiB, "
+                f"time ratio {row['time_ratio']:.2f}"
+            )
+            results.append(row)
+    return results
+
+
+def run_doubling(sizes, config, log) -> list[dict]:
+    """What the default (the scan) gives up against `method="doubling"`."""
+    results = []
+    for n, d in sizes:
+        A, x0, W = problem(n, d)
+        entries = []
+        for method in ("scan", "doubling"):
+
+            def f(A, x0, W, method=method, d=d):
+                return jnp.sum(krylovjax.krylov(A, x0, d, method=method) * W)
+
+            compiled, _ = compile_fn(jax.value_and_grad(f, argnums=(0, 1)), (A, x0, W))
+            entries.append({"compiled": compiled, "args": (A, x0, W), "into": {}})
+        time_interleaved(entries, config)
+        scan_s, doubling_s = (statistics.median(e["times"]) for e in entries)
+        results.append({"n": n, "d": d, "scan_s": scan_s, "doubling_s": doubling_s})
+        log(f"  n={n} d={d} value+grad: scan / doubling {scan_s / doubling_s:.2f}")
     return results
 
 
@@ -380,8 +449,8 @@ def markdown(report: dict) -> str:
         "",
         "| n | d | kj grad / scan grad | kj grad / kj fwd | scan grad / scan fwd "
         "| kj grad temp / scan grad temp | kj grad / unrolled grad "
-        "| kj grad / concat grad | kj_jvp grad / scan grad "
-        "| kj_jvp grad temp / scan grad temp |",
+        "| kj grad / concat grad | kj_vjp grad / scan grad "
+        "| kj_vjp grad temp / scan grad temp |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_key = {
@@ -401,8 +470,8 @@ def markdown(report: dict) -> str:
         co_g = get("concat", n, d, "grad", "median_s")
         kj_m = get("krylovjax", n, d, "grad", "temp_bytes")
         sc_m = get("scan", n, d, "grad", "temp_bytes")
-        jv_g = get("kj_jvp", n, d, "grad", "median_s")
-        jv_m = get("kj_jvp", n, d, "grad", "temp_bytes")
+        jv_g = get("kj_vjp", n, d, "grad", "median_s")
+        jv_m = get("kj_vjp", n, d, "grad", "temp_bytes")
         lines.append(
             f"| {n} | {d} | {_fmt(_ratio(kj_g, sc_g))} | {_fmt(_ratio(kj_g, kj_f))} "
             f"| {_fmt(_ratio(sc_g, sc_f))} | {_fmt(_ratio(kj_m, sc_m))} "
@@ -417,19 +486,51 @@ def markdown(report: dict) -> str:
         "not run at these depths.",
         "",
         "| n | d | b | kj grad / scan grad | kj grad temp / scan grad temp "
-        "| kj_jvp grad / scan grad | kj grad ms | scan grad ms |",
+        "| kj_vjp grad / scan grad | kj grad ms | scan grad ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
     blocks = {(r["method"], r["n"], r["d"], r["b"]): r for r in report["blocks"]}
     for n, d, b in report["config"]["block_sizes"]:
         kj, sc, jv = (
-            blocks[(m, n, d, b)]["grad"] for m in ("krylovjax", "scan", "kj_jvp")
+            blocks[(m, n, d, b)]["grad"] for m in ("krylovjax", "scan", "kj_vjp")
         )
         lines.append(
             f"| {n} | {d} | {b} | {_fmt(_ratio(kj['median_s'], sc['median_s']))} "
             f"| {_fmt(_ratio(kj['temp_bytes'], sc['temp_bytes']))} "
             f"| {_fmt(_ratio(jv['median_s'], sc['median_s']))} "
             f"| {_ms(kj['median_s'])} | {_ms(sc['median_s'])} |"
+        )
+    lines += [
+        "",
+        "## Every form of loss",
+        "",
+        "Compiled temporary memory of `grad` (with respect to `A` and `x0`) with the "
+        "defaults against plain autodiff through a `lax.scan`, and the time ratio.",
+        "",
+        "| n | d | b | loss | kj temp KiB | scan temp KiB | temp ratio | time ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["losses"]:
+        lines.append(
+            f"| {r['n']} | {r['d']} | {r['b'] or '-'} | {r['loss']} "
+            f"| {_kib(r['krylovjax'])} | {_kib(r['scan'])} "
+            f"| {_fmt(_ratio(r['krylovjax'], r['scan']))} | {_fmt(r['time_ratio'])} |"
+        )
+    lines += [
+        "",
+        "## What the default gives up against doubling",
+        "",
+        "The default method is the scan, which never overflows where the vectors do "
+        'not. `method="doubling"` (opt-in) is faster at long d and small n; value '
+        "and gradient of `sum(X * W)`:",
+        "",
+        "| n | d | scan ms | doubling ms | scan / doubling |",
+        "|---|---|---|---|---|",
+    ]
+    for r in report["doubling"]:
+        lines.append(
+            f"| {r['n']} | {r['d']} | {_ms(r['scan_s'])} | {_ms(r['doubling_s'])} "
+            f"| {_fmt(_ratio(r['scan_s'], r['doubling_s']))} |"
         )
     scaling = report["compile_scaling"]
     lo, hi = scaling["points"]
@@ -557,6 +658,10 @@ def main(argv=None) -> dict:
     log("block x0")
     blocks = run_block_sizes(config["block_sizes"], config, log)
     agreement = {**check_agreement(sizes), **check_agreement(blocks, " block")}
+    log("every form of loss")
+    losses = run_losses(config["loss_sizes"], config, log)
+    log("the default against doubling")
+    doubling = run_doubling(config["doubling_sizes"], config, log)
     log("plot grid")
     plot_n = config["plot_n"]
     plot_rows = run_sizes([(plot_n, d) for d in config["plot_ds"]], config, cache, log)
@@ -581,6 +686,8 @@ def main(argv=None) -> dict:
         "sizes": sizes,
         "plot": plot_rows,
         "blocks": blocks,
+        "losses": losses,
+        "doubling": doubling,
         "compile_scaling": scaling,
         "agreement": agreement,
         "total_s": time.perf_counter() - start,
