@@ -77,9 +77,18 @@ def krylov_tail(operator: AbstractOperator, x0: Array, steps: int) -> Array:
 
 
 def _chunks(steps: int, chunk: int) -> tuple[int, int, int]:
-    """Split the rows 1 .. steps - 1 into `full` chunks of `size` and `rest` more."""
-    size = max(1, min(chunk, steps - 1))
-    full, rest = divmod(steps - 1, size)
+    """Split the rows 1 .. steps - 1 into `full` chunks of `size` and `rest` more.
+
+    `size` is at most `chunk`: the largest divisor of the row count between
+    `chunk / 2` and `chunk` where there is one, so that no separate `rest` pass
+    (whose buffers XLA keeps beside the loop's) is needed.
+    """
+    rows = steps - 1
+    size = max(1, min(chunk, rows))
+    divisors = [s for s in range(chunk // 2, chunk + 1) if s and rows % s == 0]
+    if rows > chunk and divisors:
+        size = divisors[-1]
+    full, rest = divmod(rows, size)
     return size, full, rest
 
 
