@@ -39,8 +39,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import krylovjax
-from krylovjax._doubling import choose_method
-from krylovjax._operator import as_operator
 
 METHODS = ("scan", "doubling", "auto")
 NS = (4, 16, 64, 256, 1024)
@@ -117,8 +115,7 @@ def time_grid(ns, ds, repeats, dtype, budget, block=None):
                     _block(out)
                     times[m].append((time.perf_counter() - t0) / number)
             med = {m: statistics.median(t) for m, t in times.items()}
-            operator, x = as_operator(A, x0, "krylov")
-            chosen = choose_method(operator, x, d)
+            chosen = krylovjax.auto_method(A, x0, d)
             best = min(med["scan"], med["doubling"])
             row = {
                 "n": n,

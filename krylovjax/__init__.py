@@ -4,8 +4,8 @@ import importlib.metadata
 
 from . import nn as nn
 from ._iterate import iterate as iterate
-from ._krylov import krylov as krylov
+from ._krylov import auto_method as auto_method, krylov as krylov
 
-__all__ = ["iterate", "krylov", "nn"]
+__all__ = ["auto_method", "iterate", "krylov", "nn"]
 
 __version__ = importlib.metadata.version("krylovjax")

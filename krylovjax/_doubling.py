@@ -97,108 +97,11 @@ def dense_matrix(operator: AbstractOperator) -> Inexact[Array, "n n"]:
 
 # ----------------------------------------------------------------------- selection
 
-# `method="auto"` picks "doubling" for a dense matrix when `d >= min_depth` for the
-# first row `(max_n, min_depth)` with `n <= max_n` of the table for the backend and
-# the dtype, and "scan" otherwise: for every larger n, every BCOO matrix and every
-# callable. Measured with
-#   python benchmarks/bench_methods.py --dtype DTYPE --ns 4 16 32 64 128 256 512 \
-#       --ds 16 128 256 512 1024 4096 --skip-accuracy --repeats 15 \
-#       --out benchmarks/results_methods/focus_DTYPE
-# and earlier runs of the same command (2 shared CPU cores, jit(value_and_grad) of
-# sum(real(krylov(A, x0, d) * W)) with respect to A and x0, x0 of shape (n,), layout
-# "columns", median of interleaved repeats). time(scan) / time(doubling), > 1
-# where doubling is faster, as the range over two to six runs where a size ran
-# more than once (the machine is shared, so runs disagree by up to 30%). Each
-# boundary is drawn where auto stays within 10% of the faster method in every run:
-#
-#   float32    n \ d        16       128       256       512      1024      4096
-#                  4 0.31-0.60 0.45-0.63 0.33-0.53 0.64-0.71 1.04-1.11 1.79-2.52
-#                 16 0.64-1.06 0.69-0.73 1.12-1.17 1.56-1.65 2.50-2.56 3.78-4.14
-#                 32 0.55-0.68 0.73-0.75 0.98-1.01 1.44-1.63 2.14-2.18 2.15-2.41
-#                 64 0.31-0.32 0.37-0.41 0.62-0.64 1.03-1.06 1.36-1.46 1.52-1.60
-#                128 0.22-0.24 0.36-0.43 0.49-0.50 0.60-0.63 0.79-0.93 1.49-2.00
-#                256 0.11-0.14 0.33-0.39 0.47-0.57 0.64-0.68 0.91-0.93 1.69-1.73
-#                512      0.08      0.27 0.37-0.38 0.52-0.54 0.61-0.64 1.13-1.17
-#
-#   float64    n \ d        16       128       256       512      1024      4096
-#                  4 0.50-0.74 0.50-0.54 0.46-0.50 0.61-0.91 0.93-1.32 1.79-2.39
-#                 16 0.63-0.86 0.78-0.80 1.11-1.21 1.57-1.71 1.81-2.16 1.58-2.64
-#                 32 0.54-0.70 0.75-0.77 0.90-0.94 1.18-1.24 1.48-1.64 1.55-1.71
-#                 64 0.31-0.42 0.42-0.47 0.76-0.90 0.82-1.00 1.05-1.28 1.51-1.89
-#                128 0.22-0.23 0.39-0.45 0.49-0.51 0.54-0.60 0.81-0.89 1.62-1.78
-#                256 0.19-0.20 0.37-0.39 0.52-0.55 0.54-0.64 0.82-0.87 1.35-1.38
-#                512      0.12      0.36 0.47-0.50 0.39-0.61 0.65-0.70 1.32-1.43
-#
-#   complex64  n \ d        16       128       256       512      1024      4096
-#                  4 0.80-1.03 0.56-0.66 0.62-0.63 0.92-0.98 1.05-1.19 1.77-1.84
-#                 16 0.88-1.01 1.74-2.23 3.30-3.37 3.90-4.57 4.73-5.75 5.18-6.31
-#                 32 0.80-0.84 1.31-1.38 1.78-1.91 2.30-2.47 2.89-3.09 3.92-4.19
-#                 64 0.49-0.60 0.69-0.72 1.03-1.05 1.41-1.42 1.90-1.98 3.27-3.42
-#                128 0.34-0.35 0.72-0.86      0.90 1.19-1.25 1.65-1.90 3.00-3.15
-#                256 0.26-0.28 0.57-0.67 0.82-0.83 0.95-0.97 1.17-1.37 2.10-2.41
-#                512      0.12      0.36      0.52 0.63-0.65 0.73-0.74 1.58-1.59
-#
-#   complex128 n \ d        16       128       256       512      1024      4096
-#                  4      0.78      0.55 0.58-0.64 0.85-0.88 1.00-1.02 1.16-1.20
-#                 16 0.85-0.95 2.07-2.13 2.92-2.93 3.48-3.63 3.87-3.93 4.76-4.93
-#                 32 0.84-0.88 1.23-1.26 1.67-1.68 2.08-2.17 2.07-2.44 2.76-4.53
-#                 64 0.49-0.50 0.81-0.82 1.03-1.05 1.45-1.50 2.14-2.18 3.28-3.30
-#                128 0.40-0.41 0.99-1.03 0.84-0.87 1.39-1.49 2.04-2.09 3.36-3.39
-#                256      0.18 0.47-0.49 0.59-0.61 0.69-0.70      0.96 1.74-1.80
-#                512      0.11      0.30      0.41 0.50-0.53 0.58-0.59 1.26-1.32
-#
-# Doubling does about 3 n^2 d work (forward, transposed levels: P^T C and C X^T
-# per level) against the scan's 3 n^2 d, plus about 3-4 n^3 log2(d) for the
-# powers and their cotangents, all in large GEMMs; it wins once d is large enough
-# for the scan's per-step cost to dominate and n small enough for the n^3 term not
-# to. Complex matrix-vector products are comparatively slow in the scan, so
-# doubling wins earlier for complex dtypes. At n = 512 and d = 2048 the powers do
-# not fit the memory bound of the transposed levels and the reverse pass falls
-# back to the slower suffix scan, so the n = 512 rows start at d = 4096.
-#
-# A block x0 of shape (n, b) makes every scan step a small matrix product, and
-# doubling wins at much smaller d: float32, with
-#   python benchmarks/bench_methods.py --block B --ns 4 16 64 256 \
-#       --ds 16 64 128 512 1024 --skip-accuracy --repeats 9 \
-#       --out benchmarks/results_methods/block_B
-# (three runs for b = 2, two for b = 8, one for b = 32; b = 64 with --ns 16 64 256
-# --ds 3 5 8 16), all with the scan's row-carry block path:
-#
-#   b = 2   n \ d         16         64        128        512       1024
-#              4  0.50-0.62  0.39-0.61  0.34-0.41  0.56-0.70  0.96-1.00
-#             16  0.92-0.96  1.44-1.74  2.36-2.49  5.24-6.72 8.29-13.91
-#             64  0.58-0.95  0.58-0.63  0.88-0.90  1.50-1.77  1.89-2.08
-#            256  0.16-0.25  0.25-0.37  0.45-0.47  0.59-0.77  0.78-1.05
-#
-#   b = 8   n \ d         16         64        128        512       1024
-#              4  0.86-1.06  1.64-1.77  2.16-2.28  5.96-6.02  9.25-9.47
-#             16  1.08-1.38  1.72-1.73  2.36-2.48  2.54-3.42  3.39-4.15
-#             64  0.63-0.66  1.15-1.19  1.41-1.58  1.70-1.72  2.10-2.35
-#            256  0.48-0.49       0.51  0.74-0.79  1.28-1.34  1.50-1.57
-#
-#   b = 32  n \ d         16         64        128        512       1024
-#              4       1.13       1.82       2.80       3.53       3.71
-#             16       1.43       2.15       1.88       2.67       3.24
-#             64       1.33       1.67       1.53       1.88       2.74
-#            256       0.77       1.22       1.56       1.59       1.69
-#
-#   b = 64  n \ d          3          5          8         16
-#             16       1.17       1.24       1.60       1.59
-#             64       1.03       1.04       1.73       1.54
-#            256       0.80       0.55       0.75       0.80
-#
-# A block with b > 1 therefore looks up the table with 2 b d in place of d. Then
-# auto picks the faster method, or one within 10% of it, everywhere in these runs
-# except at b = 2: (n, d) = (4, 512), 1.43-1.78x slower than the scan (tiny
-# matrices with b = 2 cross over near d = 1024); (64, 128), 1.11-1.14x; and
-# (256, 1024), 1.28x in one of three runs. A factor b min(sqrt(b), 2) fits b = 2
-# at n = 64 and 256 but misses (16, 64) by 1.4-1.7x instead. Ignoring the block
-# would pick the scan at (4, 512, 8), where doubling is 6.0x faster.
-#
-# Only the CPU was measured, so every backend uses the CPU table; on a GPU, where
-# each scan step costs a kernel launch, the crossover is expected at smaller d.
-# Other inexact dtypes (float16, bfloat16) use the float32 table. The full tables,
-# with accuracy and memory, are in benchmarks/results_methods/.
+# `method="auto"` picks "doubling" for a dense matrix when the depth (d, or 2 b d for a
+# block of b vectors) reaches `min_depth` in the first row `(max_n, min_depth)` of its
+# dtype's table with `n <= max_n`, and "scan" otherwise. Measured on CPU with
+# `benchmarks/bench_methods.py`; the tables and their provenance are in
+# `benchmarks/README.md` ("How `auto` chooses").
 _COMPLEX_MIN_DEPTH = (
     (4, 1024),
     (32, 128),
@@ -207,45 +110,28 @@ _COMPLEX_MIN_DEPTH = (
     (256, 1024),
     (512, 4096),
 )
-_MIN_DEPTH: dict[str, dict[str, tuple[tuple[int, int], ...]]] = {
-    "cpu": {
-        "float32": ((4, 1024), (16, 256), (64, 512), (512, 4096)),
-        "float64": ((4, 1024), (16, 256), (32, 512), (64, 1024), (512, 4096)),
-        "complex64": _COMPLEX_MIN_DEPTH,
-        "complex128": _COMPLEX_MIN_DEPTH,
-    },
+_MIN_DEPTH: dict[str, tuple[tuple[int, int], ...]] = {
+    "float32": ((4, 1024), (16, 256), (64, 512), (512, 4096)),
+    "float64": ((4, 1024), (16, 256), (32, 512), (64, 1024), (512, 4096)),
+    "complex64": _COMPLEX_MIN_DEPTH,
+    "complex128": _COMPLEX_MIN_DEPTH,
 }
 
 
 def choose_method(
-    operator: AbstractOperator,
-    x0: Array,
-    d: int,
-    backend: str | None = None,
+    operator: AbstractOperator, x0: Array, d: int
 ) -> Literal["scan", "doubling"]:
     """The method that `krylov(method="auto")` uses for this problem.
 
-    **Arguments:**
-
-    - `operator`: the operator in internal form (see `as_operator`).
-    - `x0`: the starting vector `(n,)` or block `(n, b)`, after dtype promotion;
-        its dtype selects the table.
-    - `d`: the number of vectors.
-    - `backend`: the JAX backend name; defaults to `jax.default_backend()`. Only the
-        CPU was measured, so every backend uses the CPU table for now.
-
-    **Returns:**
-
-    `"scan"` or `"doubling"`.
+    `operator` and `x0` are in internal form, after dtype promotion (see
+    `as_operator`); the dtype selects the table (other inexact dtypes use float32's).
+    Only the CPU was measured, so every backend uses these tables.
     """
     if not isinstance(operator, DenseOperator):
         return "scan"
-    if backend is None:
-        backend = jax.default_backend()
-    tables = _MIN_DEPTH.get(backend, _MIN_DEPTH["cpu"])
-    table = tables.get(jnp.dtype(x0.dtype).name, tables["float32"])
+    table = _MIN_DEPTH.get(jnp.dtype(x0.dtype).name, _MIN_DEPTH["float32"])
     n = x0.shape[0]
-    # A block of b > 1 vectors counts as 2 b times the depth (measured above).
+    # A block of b > 1 vectors counts as 2 b times the depth (measured).
     b = math.prod(x0.shape[1:])
     depth = d if b == 1 else 2 * b * d
     for max_n, min_depth in table:

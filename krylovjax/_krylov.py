@@ -105,7 +105,8 @@ def krylov(
         doubling's limits. Its thresholds
         depend on the dtype (doubling wins at smaller $d$ for complex dtypes) and
         on the block size (a block of $b > 1$ vectors counts as $2 b d$), and were
-        measured on CPU (see `krylovjax/_doubling.py`); other backends use the CPU
+        measured on CPU ([`krylovjax.auto_method`][] names the choice; the
+        measurements are in `benchmarks/README.md`); other backends use the CPU
         thresholds until measured.
 
     **Returns:**
@@ -130,17 +131,11 @@ def krylov(
 
         ```
     """
-    d = check_depth(d, "krylov")
     check_choice(layout, LAYOUTS, "krylov(layout=...)")
     if adjoint is not None:
         check_choice(adjoint, ADJOINTS, "krylov(adjoint=...)")
     check_choice(method, METHODS, "krylov(method=...)")
-    x0 = as_array(x0, "krylov(x0=...)")
-    if x0.ndim == 0:
-        msg = "`krylov(x0=...)` must have at least one axis; got a scalar of shape ()."
-        raise ValueError(msg)
-    check_output_size(d, [x0], "krylov")
-    operator, x0 = as_operator(A, x0, "krylov")
+    operator, x0, d = _problem(A, x0, d, "krylov")
     if method == "doubling":
         check_doubling(operator)
         if adjoint == "custom_jvp":
@@ -173,6 +168,56 @@ def krylov(
     else:
         xs = _scan_with_rule(operator, x0, d, adjoint)
     return xs if layout == "rows" else jnp.moveaxis(xs, 0, 1)
+
+
+def auto_method(A: Any, x0: Inexact[Array, "n ..."], d: int) -> str:
+    r"""The method that `krylov(A, x0, d, method="auto")` would use: `"scan"` or
+    `"doubling"`.
+
+    `"auto"` picks doubling for a dense matrix when $d$ is large compared with $n$
+    (from thresholds measured on CPU, per dtype; a block of $b > 1$ vectors counts
+    as $2 b d$), and the scan otherwise, including every BCOO matrix and callable.
+    Only shapes and dtypes are read, so this works on abstract arrays too.
+
+    **Arguments:**
+
+    As for [`krylovjax.krylov`][]: `A`, `x0` and `d`, checked in the same way.
+
+    **Returns:**
+
+    `"scan"` or `"doubling"`.
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp
+        >>> import krylovjax
+        >>> krylovjax.auto_method(jnp.eye(4) / 2, jnp.ones(4), 4096)
+        'doubling'
+        >>> krylovjax.auto_method(jnp.eye(4) / 2, jnp.ones(4), 16)
+        'scan'
+        >>> krylovjax.auto_method(lambda x: x / 2, jnp.ones(4), 4096)
+        'scan'
+
+        ```
+    """
+    operator, x0, d = _problem(A, x0, d, "auto_method")
+    return choose_method(operator, x0, d)
+
+
+def _problem(A, x0, d, fn_name):
+    """Check `A`, `x0` and `d` and return them in internal form."""
+    d = check_depth(d, fn_name)
+    x0 = as_array(x0, f"{fn_name}(x0=...)")
+    if x0.ndim == 0:
+        msg = (
+            f"`{fn_name}(x0=...)` must have at least one axis; got a scalar of "
+            f"shape ()."
+        )
+        raise ValueError(msg)
+    check_output_size(d, [x0], fn_name)
+    operator, x0 = as_operator(A, x0, fn_name)
+    return operator, x0, d
 
 
 def _scan_with_rule(operator, x0, d, adjoint):
