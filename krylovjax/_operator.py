@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import sparse
 from jaxtyping import Array, Inexact, Shaped
 
-from ._checks import check_inexact
+from ._checks import check_bcoo_matrix, check_inexact
 from ._linearity import check_linear
 
 
@@ -325,12 +325,7 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
         raise TypeError(msg)
     if isinstance(A, sparse.BCOO):
         _check_matrix_shape(A.shape, x0, fn_name)
-        if A.n_batch != 0 or A.n_dense != 0:
-            msg = (
-                f"`{arg}` must be a BCOO matrix with n_batch=0 and n_dense=0; got "
-                f"n_batch={A.n_batch} and n_dense={A.n_dense}."
-            )
-            raise ValueError(msg)
+        check_bcoo_matrix(A, arg)
         check_inexact(A.data, arg)
         dtype = jnp.result_type(A.data, x0)
         data = A.data.astype(dtype)

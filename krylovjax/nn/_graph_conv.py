@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import sparse
 from jaxtyping import Array, Inexact, PRNGKeyArray, Shaped
 
+from .._checks import as_input, check_bcoo_matrix, check_dtype, check_size
 from .._krylov import krylov
-from ._checks import as_input, check_dtype, check_size
 from ._init import uniform
 
 
@@ -38,12 +38,7 @@ def _as_adjacency(adjacency: Any, arg: str, dtype: Any | None) -> Any:
     how to convert them; the shape is left to the caller to check.
     """
     if isinstance(adjacency, sparse.BCOO):
-        if adjacency.n_batch != 0 or adjacency.n_dense != 0:
-            msg = (
-                f"`{arg}` must be a BCOO matrix with n_batch=0 and n_dense=0; got "
-                f"n_batch={adjacency.n_batch} and n_dense={adjacency.n_dense}."
-            )
-            raise ValueError(msg)
+        check_bcoo_matrix(adjacency, arg)
         data = as_input(adjacency.data, arg, dtype)
         return sparse.BCOO((data, adjacency.indices), shape=adjacency.shape)
     if isinstance(adjacency, sparse.JAXSparse):

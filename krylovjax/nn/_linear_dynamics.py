@@ -14,8 +14,8 @@ import equinox as eqx
 import jax.random as jr
 from jaxtyping import Array, Inexact, PRNGKeyArray, Shaped
 
+from .._checks import as_input, check_dtype, check_shape, check_size
 from .._krylov import krylov
-from ._checks import as_input, check_dtype, check_shape, check_size
 from ._init import uniform
 
 

@@ -23,8 +23,8 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, Inexact, PRNGKeyArray, Shaped
 
+from .._checks import as_input, check_dtype, check_size
 from .._krylov import krylov
-from ._checks import as_input, check_dtype, check_size
 
 # The dtypes of `jnp.fft`'s real transforms, which the convolution uses.
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
