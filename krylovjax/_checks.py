@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jaxtyping import Array
 
 
@@ -24,7 +25,7 @@ def check_size(value: Any, arg: str, *, what: str = "a size", minimum: int = 1) 
     through `operator.index`; `bool`, floats and traced values are rejected, and so
     is an integer below `minimum`.
     """
-    if isinstance(value, jax.core.Tracer):
+    if isinstance(value, Tracer):
         msg = (
             f"`{arg}` must be a static Python int >= {minimum} ({what}); got a traced "
             f"value. It fixes an array shape, so it cannot depend on traced data: "
@@ -88,7 +89,7 @@ def as_array(x: Any, name: str) -> Array:
             f"`np.ma.filled(x, 0)`."
         )
         raise TypeError(msg)
-    if not isinstance(x, jax.Array | jax.core.Tracer):
+    if not isinstance(x, jax.Array | Tracer):
         if not hasattr(x, "__array__"):
             kind = type(x).__name__
             msg = f"`{name}` must be an array; got an object of type {kind}."
@@ -165,7 +166,8 @@ def default_float_dtype() -> np.dtype:
 
     The default of the layers' `dtype=None`, as in `equinox.nn.Linear`.
     """
-    return np.dtype(np.float64 if jax.config.jax_enable_x64 else np.float32)
+    x64 = jax.config.read("jax_enable_x64")
+    return np.dtype(np.float64 if x64 else np.float32)
 
 
 def check_dtype(dtype: Any, arg: str, *, allow_complex: bool = True) -> np.dtype:
@@ -214,10 +216,11 @@ def as_input(x: Any, arg: str, dtype: Any | None) -> Array:
     if not (jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_)):
         msg = f"`{arg}` must have a numeric or boolean dtype; got dtype {x.dtype}."
         raise TypeError(msg)
-    if dtype is None:
-        inexact = jnp.issubdtype(x.dtype, jnp.inexact)
-        dtype = x.dtype if inexact else default_float_dtype()
-    return x.astype(jnp.promote_types(x.dtype, dtype))
+    if dtype is not None:
+        return x.astype(jnp.promote_types(x.dtype, dtype))
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    return x.astype(default_float_dtype())
 
 
 def check_shape(x: Array, expected: tuple[int, ...], arg: str, why: str = "") -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from jaxtyping import Array
 
 
-def check_linear(fn: Callable[[Array], Array], x: Array, arg: str) -> None:
+def check_linear(fn: Callable[..., Any], x: Array, arg: str) -> None:
     """Raise a `TypeError` unless `fn` is linear in `x`, its own arrays held fixed.
 
     Both checks read the jaxpr of `fn` at trace time; nothing is executed. First, JAX
@@ -97,7 +97,8 @@ def _live_inputs(jaxpr: jex.Jaxpr, live_out: Sequence[bool]) -> list[bool]:
         if sub is None:
             ins = [True] * len(eqn.invars)
         else:
-            ins = _live_inputs(getattr(sub, "jaxpr", sub), outs)
+            open_ = sub.jaxpr if isinstance(sub, jex.ClosedJaxpr) else sub
+            ins = _live_inputs(open_, outs)
         live.update(
             v
             for v, keep in zip(eqn.invars, ins, strict=True)
@@ -250,7 +251,7 @@ def _eqn_at_zero(eqn: jex.JaxprEqn, ins: list[_Flag]) -> list[_Flag]:
         nonzero = any(
             flag[1]
             for v, flag in zip(eqn.invars, ins, strict=True)
-            if jnp.issubdtype(v.aval.dtype, jnp.inexact)
+            if jnp.issubdtype(getattr(v.aval, "dtype", np.bool_), jnp.inexact)
         )
     elif depends:
         nonzero = any(flag[1] for flag in ins if flag[0])

@@ -140,6 +140,7 @@ class DenseOperator(AbstractOperator):
             rows = lax.dynamic_slice_in_dim(cts, start, size, axis=1)
             return lax.dot_general(rows, xs, ((axes, axes), ((), ())))
 
+        assert isinstance(acc, DenseOperator)
         return _cotangent(DenseOperator(_add_by_rows(acc.matrix, product)))
 
 
@@ -201,6 +202,7 @@ class DenseRowsOperator(AbstractOperator):
             part = lax.dynamic_slice_in_dim(lhs, start, size, axis=1)
             return lax.dot_general(part, rhs, (((0,), (0,)), ((), ())))
 
+        assert isinstance(acc, DenseRowsOperator)
         return _cotangent(DenseRowsOperator(_add_by_rows(acc.transposed, product)))
 
 
@@ -214,7 +216,7 @@ class SparseOperator(AbstractOperator):
 
     def transpose(self, like: Array) -> Callable[[Array], Array]:
         del like
-        transposed = self.matrix.T
+        transposed = self.matrix.transpose()
         return lambda y: transposed @ y
 
     def mm(self, xs: Array) -> Array:
@@ -249,6 +251,7 @@ class SparseOperator(AbstractOperator):
             x_cols = jnp.take(xs, entries[:, 1], axis=1)
             return jnp.sum(ct_rows * x_cols, axis=axes)
 
+        assert isinstance(acc, SparseOperator)
         data = _add_by_rows(acc.matrix.data, product, block)
         return _cotangent(SparseOperator(sparse.BCOO((data, indices), shape=shape)))
 
@@ -331,7 +334,7 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
         data = A.data.astype(dtype)
         matrix = sparse.BCOO((data, A.indices), shape=A.shape)
         return SparseOperator(matrix), x0.astype(dtype)
-    if isinstance(A, jax.Array | jax.core.Tracer) or _is_numpy_array(A):
+    if isinstance(A, jax.Array) or _is_numpy_array(A):
         _check_matrix_shape(A.shape, x0, fn_name)
         # Before `jnp.asarray`, which turns int64 into int32 when x64 is disabled.
         check_inexact(A, arg)

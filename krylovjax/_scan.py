@@ -134,6 +134,7 @@ def adjoint_chunks(
         g_rows = lax.dynamic_slice_in_dim(g_tail, start, size)
         lam_next, lams = reverse(lam_next, g_rows)
         if want_operator:
+            assert acc is not None and lams is not None
             rows = lax.dynamic_slice_in_dim(tail, start - 1, size)
             acc = operator.add_param_vjp(acc, rows, lams)
         return lam_next, acc
@@ -156,6 +157,7 @@ def adjoint_chunks(
     # Row 0, lam_1, pairs with x0, which is not in the tail.
     lam1 = keep_sharding(g_tail[0] + transpose_mv(lam_next), x0)
     if want_operator:
+        assert grad is not None
         grad = operator.add_param_vjp(grad, x0[None], lam1[None])
     return lam1, grad
 

@@ -24,6 +24,7 @@ every argument that `is_tangent` (an undefined primal) and `None` elsewhere.
 
 import functools as ft
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import equinox.internal as eqxi
@@ -31,6 +32,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax.core import ShapedArray
 from jax.interpreters import ad, batching, mlir
 
 
@@ -66,7 +68,7 @@ def _zeros_like_inexact(tree):
 
 def tangent_primitive(
     name: str, impl: Callable, transpose: Callable, like: int
-) -> Callable[..., object]:
+) -> Callable[..., Any]:
     """A tangent primitive, returned as a function of pytrees that binds it.
 
     Its output has the structure, shapes, dtypes and shardings of argument number
@@ -79,7 +81,7 @@ def tangent_primitive(
     def abstract_eval(*args):
         return (
             jtu.tree_map(
-                lambda s: jax.core.ShapedArray(s.shape, s.dtype, sharding=s.sharding),
+                lambda s: ShapedArray(s.shape, s.dtype, sharding=s.sharding),
                 args[like],
             ),
         )
@@ -102,8 +104,8 @@ def tangent_primitive(
     prim.def_abstract_eval(eqxi.filter_primitive_def(abstract_eval))
     ad.primitive_jvps[prim] = eqxi.filter_primitive_jvp(jvp)
     ad.primitive_transposes[prim] = eqxi.filter_primitive_transpose(
-        materialise_zeros=True
-    )(transpose_rule)
+        transpose_rule, materialise_zeros=True
+    )
 
     def batch(args, dims, **params):
         outs = jax.vmap(ft.partial(prim_impl, **params), in_axes=dims)(*args)
