@@ -10,14 +10,19 @@ The model is `krylovjax.nn.StateSpaceConv` (a dense linear state-space layer who
 convolution kernel $C \bar A^l \bar B$ is built by `krylovjax.krylov`) followed by a
 GELU and a linear readout of the final time step. It is trained with Adam on fresh
 random batches and evaluated on a held-out test set. The learned kernel should put
-its weight at the lags that reach back to the cue.
+its weight at the lags that reach back to the cue. The training steps between two
+progress reports run as one jitted `lax.scan`, so Python dispatches one call per
+report rather than one per step.
 
-Run with `python examples/state_space_sequence.py [--fast] [--out DIR]`.
+Run with `python examples/state_space_sequence.py [--fast] [--out DIR]`. The figure
+goes into `DIR`, or into a new temporary folder if `--out` is not given; the script
+prints where it went.
 """
 
 import argparse
 import functools
 import pathlib
+import tempfile
 import time
 
 import equinox as eqx
@@ -33,8 +38,8 @@ import krylovjax
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "docs" / "figures"
 CUE, NOISE = 40, 0.3
+REPORT_EVERY = 50  # training steps per jitted chunk, between two progress lines
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -68,9 +73,12 @@ class Classifier(eqx.Module):
         return self.readout(jax.nn.gelu(self.ssm(x)[-1]))
 
 
-def main(fast: bool = False, out: str | pathlib.Path = DEFAULT_OUT) -> dict:
+def main(fast: bool = False, out: str | pathlib.Path | None = None) -> dict:
     start = time.perf_counter()
-    length, steps, batch = (300, 100, 32) if fast else (400, 600, 64)
+    # Many small batches: 400 steps on 16 sequences reach the test accuracy of 600
+    # steps on 64 (about 0.95) for a sixth of the compute. The cue ends 360 steps
+    # (fast: 260) before the prediction.
+    length, steps, batch = (300, 100, 16) if fast else (400, 400, 16)
     key = jr.key(0)
     mkey, test_key, train_key = jr.split(key, 3)
     # Built under jit: one compilation instead of many small eager ones.
@@ -80,16 +88,24 @@ def main(fast: bool = False, out: str | pathlib.Path = DEFAULT_OUT) -> dict:
     optim = optax.adam(optax.cosine_decay_schedule(3e-3, steps, alpha=0.1))
     opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
 
-    def loss_fn(model, x, y):
-        logits = jax.vmap(model)(x)
+    def loss_fn(params, static, x, y):
+        logits = jax.vmap(eqx.combine(params, static))(x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     @eqx.filter_jit
-    def step(model, opt_state, key):
-        x, y = make_batch(key, batch, length)
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
-        updates, opt_state = optim.update(grads, opt_state, model)
-        return eqx.apply_updates(model, updates), opt_state, loss
+    def train(model, opt_state, keys):
+        """One Adam step per key, all in one `lax.scan`; the losses of each step."""
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+
+        def step(carry, key):
+            params, opt_state = carry
+            x, y = make_batch(key, batch, length)
+            loss, grads = jax.value_and_grad(loss_fn)(params, static, x, y)
+            updates, opt_state = optim.update(grads, opt_state, params)
+            return (eqx.apply_updates(params, updates), opt_state), loss
+
+        (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), keys)
+        return eqx.combine(params, static), opt_state, losses
 
     @eqx.filter_jit
     def evaluate(model, x, y):
@@ -100,16 +116,16 @@ def main(fast: bool = False, out: str | pathlib.Path = DEFAULT_OUT) -> dict:
     initial_loss, initial_acc, _ = evaluate(model, x_test, y_test)
     print(f"[{time.perf_counter() - start:.1f} s] ", end="")
     print(f"before training: test loss {initial_loss:.3f}, accuracy {initial_acc:.3f}")
-    losses = []
-    for i, k in enumerate(jr.split(train_key, steps)):
-        model, opt_state, loss = step(model, opt_state, k)
-        losses.append(float(loss))
-        if i % 100 == 0 or i == steps - 1:
-            test_loss, test_acc, _ = evaluate(model, x_test, y_test)
-            print(
-                f"step {i:4d}  train loss {float(loss):.3f}  test loss "
-                f"{float(test_loss):.3f}  test accuracy {float(test_acc):.3f}"
-            )
+    # Equal chunks of REPORT_EVERY steps, so `train` compiles once.
+    chunks = jr.split(train_key, steps).reshape(-1, REPORT_EVERY)
+    for i, keys in enumerate(chunks):
+        model, opt_state, chunk_losses = train(model, opt_state, keys)
+        test_loss, test_acc, _ = evaluate(model, x_test, y_test)
+        print(
+            f"[{time.perf_counter() - start:.1f} s] step {(i + 1) * REPORT_EVERY:4d}  "
+            f"train loss {np.mean(chunk_losses):.3f} (mean of {REPORT_EVERY})  "
+            f"test loss {float(test_loss):.3f}  test accuracy {float(test_acc):.3f}"
+        )
     test_loss, test_acc, test_logits = evaluate(model, x_test, y_test)
     test_loss, test_acc = float(test_loss), float(test_acc)
     step_size = float(jnp.exp(model.ssm.log_step))
@@ -118,6 +134,8 @@ def main(fast: bool = False, out: str | pathlib.Path = DEFAULT_OUT) -> dict:
     print(f"learned step size {step_size:.3g}, spectral radius of A_bar {radius:.5f}")
     print(f"final: test loss {test_loss:.4f}, test accuracy {test_acc:.4f}")
 
+    if out is None:
+        out = tempfile.mkdtemp(prefix="krylovjax-state_space_sequence-")
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     kernel = np.asarray(model.ssm.kernel())[:, :, 0]  # (L, width)
@@ -153,7 +171,7 @@ def main(fast: bool = False, out: str | pathlib.Path = DEFAULT_OUT) -> dict:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     elapsed = time.perf_counter() - start
-    print(f"saved {path}; {elapsed:.1f} s")
+    print(f"figure saved to {path}; {elapsed:.1f} s")
 
     # Chance level is 0.5; the cue ends length - 40 steps before the prediction.
     threshold = 0.7 if fast else 0.9
@@ -170,6 +188,10 @@ def main(fast: bool = False, out: str | pathlib.Path = DEFAULT_OUT) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true", help="fewer steps")
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="figure directory")
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="folder for the figure (default: a new temporary folder)",
+    )
     args = parser.parse_args()
     main(fast=args.fast, out=args.out)

@@ -1,13 +1,20 @@
 """Run every script in `examples/` in a subprocess, as a user would.
 
 A script that accepts `--fast` and `--out DIR` (the convention for examples that
-train something and save a figure) runs in fast mode with its figure written to a
-temporary folder, which must then hold a PNG named after the script; any other
-script runs with no arguments. Each script asserts on its own results, so exit
-status 0 means the example reached its quality target.
+train something and save a figure) runs in fast mode; any other script runs with no
+arguments. Each script asserts on its own results, so exit status 0 means the example
+reached its quality target.
+
+Running an example must not write into the repository: without `--out` a figure goes
+into a new temporary folder, with `--out DIR` into `DIR`. Every run gets its own
+`TMPDIR` under pytest's `tmp_path`, and the repository's `git status` and the files
+of `docs/figures/` (the committed figures the docs show) must be the same after the
+run as before.
 """
 
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -22,24 +29,85 @@ def _has_fast_mode(path: pathlib.Path) -> bool:
     return '"--fast"' in source and '"--out"' in source
 
 
-def test_examples_are_found():
-    assert EXAMPLES, f"no examples found under {ROOT / 'examples'}"
+FIGURE_EXAMPLES = [p for p in EXAMPLES if _has_fast_mode(p)]
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_runs(path, tmp_path):
-    fast = _has_fast_mode(path)
-    command = [sys.executable, str(path)]
-    if fast:
-        command += ["--fast", "--out", str(tmp_path)]
+def _repository_state() -> tuple[str | None, dict[str, tuple[int, int]]]:
+    """`git status` (None without git) and (size, mtime) of each committed figure."""
+    status = None
+    if shutil.which("git") is not None:
+        result = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode == 0:
+            status = result.stdout
+    figures = {
+        str(p.relative_to(ROOT)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted((ROOT / "docs" / "figures").glob("**/*"))
+        if p.is_file()
+    }
+    return status, figures
+
+
+def _run(path: pathlib.Path, args: list[str], tmp_path: pathlib.Path):
+    """Run one example from the repository root with `TMPDIR` under `tmp_path`."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    before = _repository_state()
     result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, str(path), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert result.returncode == 0, (
         f"{path.name} exited with {result.returncode}\n"
         f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     )
+    after = _repository_state()
+    assert after[0] == before[0], (
+        f"{path.name} changed the repository's git status:\n"
+        f"before:\n{before[0]}\nafter:\n{after[0]}"
+    )
+    assert after[1] == before[1], f"{path.name} rewrote files in docs/figures/"
+    return result, tmpdir
+
+
+def test_examples_are_found():
+    assert EXAMPLES, f"no examples found under {ROOT / 'examples'}"
+    assert FIGURE_EXAMPLES, "no example accepts `--fast` and `--out`"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_runs(path, tmp_path):
+    """Fast mode with `--out DIR`, the form that regenerates the docs' figures."""
+    fast = path in FIGURE_EXAMPLES
+    out = tmp_path / "figures" / "nested"  # a folder that does not exist yet
+    args = ["--fast", "--out", str(out)] if fast else []
+    result, _ = _run(path, args, tmp_path)
     if fast:
-        figure = tmp_path / f"{path.stem}.png"
-        assert figure.is_file(), f"{path.name} did not write {figure.name}"
+        figure = out / f"{path.stem}.png"
+        assert figure.is_file(), f"{path.name} did not write {figure}"
         assert figure.stat().st_size > 0
+        assert str(figure) in result.stdout, f"{path.name} did not print {figure}"
+
+
+@pytest.mark.parametrize("path", FIGURE_EXAMPLES, ids=[p.stem for p in FIGURE_EXAMPLES])
+def test_example_default_out_is_temporary(path, tmp_path):
+    """Without `--out` the figure goes into a new folder under `TMPDIR`."""
+    result, tmpdir = _run(path, ["--fast"], tmp_path)
+    figures = list(tmpdir.glob(f"krylovjax-{path.stem}-*/{path.stem}.png"))
+    assert len(figures) == 1, (
+        f"{path.name} did not write one {path.stem}.png into a temporary folder; "
+        f"{tmpdir} holds {sorted(p.name for p in tmpdir.iterdir())}"
+    )
+    assert figures[0].stat().st_size > 0
+    assert str(figures[0]) in result.stdout, f"{path.name} did not print its path"
