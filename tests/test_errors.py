@@ -249,7 +249,10 @@ def test_iterate_step_changes_shape():
 def test_iterate_step_changes_dtype():
     x0 = (jnp.ones(3, jnp.float32), jnp.ones(2, jnp.float32))
     step = lambda s: (s[0], s[1].astype(jnp.complex64))  # noqa: E731
-    msg = "must return arrays of the same dtypes as `x0`; expected dtype float32"
+    msg = (
+        "must return arrays of the same dtypes as `x0`; expected dtype float32, got "
+        "complex64 for the leaf `x0[1]`."
+    )
     with pytest.raises(TypeError, match=_m(msg)):
         krylovjax.iterate(step, x0, 3)
 

@@ -322,14 +322,6 @@ def test_iterate_step_shape_error_names_leaf():
         krylovjax.iterate(step, x0, 3)
 
 
-def test_iterate_step_dtype_error_names_leaf():
-    x0 = (jnp.ones(3, jnp.float32), jnp.ones(2, jnp.float32))
-    step = lambda s: (s[0], s[1].astype(jnp.complex64))  # noqa: E731
-    msg = "expected dtype float32, got complex64 for the leaf `x0[1]`."
-    with pytest.raises(TypeError, match=_m(msg)):
-        krylovjax.iterate(step, x0, 3)
-
-
 # ------------------------------------------------------------------ weak types
 
 
