@@ -302,6 +302,43 @@ class FunctionOperator(AbstractOperator):
         return jax.sharding.reshard(ct, sharding)
 
 
+class BatchedOperator(AbstractOperator):
+    """An operator applied to a batch of vectors: each vector has its own copy of the
+    same `inner` operator, as under `jax.vmap` of a call with one operator.
+
+    A vector of this operator has a leading batch axis; a stack of them, `(k, B, ...)`,
+    is a stack of `k B` vectors of `inner`, so the gradient of the shared operator
+    sums over the batch in the same batched product.
+    """
+
+    inner: AbstractOperator
+
+    def mv(self, x: Array) -> Array:
+        return jax.vmap(self.inner.mv)(x)
+
+    def transpose(self, like: Array) -> Callable[[Array], Array]:
+        transpose_mv = self.inner.transpose(like[0])
+        return jax.vmap(transpose_mv)
+
+    def mm(self, xs: Array) -> Array:
+        return self.inner.mm(_merge(xs)).reshape(xs.shape)
+
+    def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
+        return _cotangent(
+            BatchedOperator(self.inner.param_vjp(_merge(xs), _merge(cts)))
+        )
+
+    def add_param_vjp(self, acc: AbstractOperator, xs: Array, cts: Array):
+        assert isinstance(acc, BatchedOperator)
+        inner = self.inner.add_param_vjp(acc.inner, _merge(xs), _merge(cts))
+        return _cotangent(BatchedOperator(inner))
+
+
+def _merge(xs: Array) -> Array:
+    """A stack `(k, B, ...)` of batches as one stack of `k B` vectors."""
+    return xs.reshape(xs.shape[0] * xs.shape[1], *xs.shape[2:])
+
+
 def _describe(x: Any) -> str:
     kind = f"an object of type {type(x).__name__}"
     if hasattr(x, "shape") and hasattr(x, "dtype"):

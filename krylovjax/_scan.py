@@ -49,7 +49,7 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array
 
-from ._operator import AbstractOperator
+from ._operator import AbstractOperator, BatchedOperator
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
 # How many adjoint (or tangent) vectors a derivative pass keeps at once.
@@ -261,9 +261,42 @@ def _tangent_transpose(inputs, g):
     return nones(operator), nones(x0), nones(tail), ct_operator, ct_x0
 
 
+def _tangent_batch(bind, args, axes):
+    # Under `vmap` with one operator for the whole batch (the usual case: a batch of
+    # starting vectors), the batch becomes part of each vector, so that `grad` of
+    # the vmapped call still runs `adjoint_chunks`. Otherwise (a batch of operators
+    # or of operator tangents) the implementation is vmapped instead.
+    operator, x0, tail, t_operator, t_x0 = args
+    op_axes, x0_axis, tail_axis, t_op_axes, t_x0_axis = axes
+    if any(a is not None for a in jtu.tree_leaves((op_axes, t_op_axes))):
+        return None
+    size = next(
+        x.shape[a]
+        for x, a in ((x0, x0_axis), (tail, tail_axis), (t_x0, t_x0_axis))
+        if a is not None
+    )
+
+    def batched(x, axis, at):
+        if axis is None:
+            return jnp.broadcast_to(
+                jnp.expand_dims(x, at), (*x.shape[:at], size, *x.shape[at:])
+            )
+        return jnp.moveaxis(x, axis, at)
+
+    t_operator = None if t_operator is None else BatchedOperator(t_operator)
+    out = bind(
+        BatchedOperator(operator),
+        batched(x0, x0_axis, 0),
+        batched(tail, tail_axis, 1),
+        t_operator,
+        batched(t_x0, t_x0_axis, 0),
+    )
+    return out, 1
+
+
 # Arguments: (operator, x0, tail, t_operator, t_x0); the tangents are like `tail`.
 krylov_tangent = tangent_primitive(
-    "krylov_tangent", tangent_chunks, _tangent_transpose, like=2
+    "krylov_tangent", tangent_chunks, _tangent_transpose, like=2, batch=_tangent_batch
 )
 
 

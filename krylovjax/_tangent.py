@@ -66,13 +66,25 @@ def _zeros_like_inexact(tree):
     )
 
 
+class _NotRebound(Exception):
+    """The `batch` hook declined: vmap the implementation instead."""
+
+
 def tangent_primitive(
-    name: str, impl: Callable, transpose: Callable, like: int
+    name: str,
+    impl: Callable,
+    transpose: Callable,
+    like: int,
+    batch: Callable | None = None,
 ) -> Callable[..., Any]:
     """A tangent primitive, returned as a function of pytrees that binds it.
 
     Its output has the structure, shapes, dtypes and shardings of argument number
-    `like` (the stored trajectory whose tangents it computes).
+    `like` (the stored trajectory whose tangents it computes). Under `vmap`,
+    `batch(bind, args, batch_axes)` may return `(out, out_axis)` from a call of the
+    primitive itself on batched arguments, so that `grad` of a vmapped function
+    still transposes with `transpose`; where it returns `None` (or is not given)
+    the implementation is vmapped instead.
     """
 
     def impl_flat(*args):
@@ -107,15 +119,26 @@ def tangent_primitive(
         transpose_rule, materialise_zeros=True
     )
 
-    def batch(args, dims, **params):
-        outs = jax.vmap(ft.partial(prim_impl, **params), in_axes=dims)(*args)
-        return outs, [0] * len(outs)
-
-    batching.primitive_batchers[prim] = batch
-    mlir.register_lowering(prim, mlir.lower_fun(prim_impl, multiple_results=True))
-
     def bind(*args):
         (out,) = eqxi.filter_primitive_bind(prim, *args)
         return out
 
+    def rebind(inputs, batch_axes):
+        rebound = batch(bind, inputs, batch_axes)  # pyright: ignore[reportOptionalCall]
+        if rebound is None:
+            raise _NotRebound
+        out, axis = rebound
+        return (out,), (jtu.tree_map(lambda _: axis, out),)
+
+    def batch_rule(args, dims, **params):
+        if batch is not None:
+            try:
+                return eqxi.filter_primitive_batching(rebind)(args, dims, **params)
+            except _NotRebound:
+                pass
+        outs = jax.vmap(ft.partial(prim_impl, **params), in_axes=dims)(*args)
+        return outs, [0] * len(outs)
+
+    batching.primitive_batchers[prim] = batch_rule
+    mlir.register_lowering(prim, mlir.lower_fun(prim_impl, multiple_results=True))
     return bind

@@ -167,20 +167,34 @@ def test_default_rule_runs_and_is_not_plain_autodiff():
     assert not np.array_equal(ours, plain)
 
 
-def test_vmap_and_grad_compose_with_the_defaults():
+@pytest.mark.parametrize("kind", ["dense", "bcoo", "callable"])
+@pytest.mark.parametrize("block", [None, 2])
+def test_vmap_and_grad_compose_with_the_defaults(kind, block):
+    # One operator for a batch of starting vectors: `grad` of the vmapped call runs
+    # the reverse pass on the whole batch, `vmap` of `grad` once per member.
     A = random_matrix(jax.random.key(3), 5, jnp.float64)
-    x0s = jax.random.normal(jax.random.key(4), (3, 5), jnp.float64)
+    like = sparse.BCOO.fromdense(A)
+    p = like.data if kind == "bcoo" else A
+    shape = (3, 5) if block is None else (3, 5, block)
+    x0s = jax.random.normal(jax.random.key(4), shape, jnp.float64)
 
-    def per_example(build):
-        return jax.vmap(jax.grad(lambda A, x: build(A, x, 70).sum()), (None, 0))
+    def build(adjoint):
+        def f(p, x):
+            X = krylovjax.krylov(_operator(kind, p, like), x, 70, adjoint=adjoint)
+            return jnp.sum(jnp.sin(X))
 
-    def batched(build):
-        return jax.grad(lambda A: jax.vmap(lambda x: build(A, x, 70).sum())(x0s).sum())
+        return f
 
-    assert_trees_close(
-        per_example(krylovjax.krylov)(A, x0s), per_example(_plain)(A, x0s)
-    )
-    assert_trees_close(batched(krylovjax.krylov)(A), batched(_plain)(A))
+    def per_example(f):
+        return jax.vmap(jax.grad(f, (0, 1)), (None, 0))(p, x0s)
+
+    def batched(f):
+        return jax.grad(lambda p, xs: jax.vmap(f, (None, 0))(p, xs).sum(), (0, 1))(
+            p, x0s
+        )
+
+    assert_trees_close(per_example(build(None)), per_example(build("autodiff")))
+    assert_trees_close(batched(build(None)), batched(build("autodiff")))
 
 
 def test_layers_support_forward_mode():
