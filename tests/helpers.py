@@ -245,3 +245,27 @@ def assert_rule_in_jaxpr(closed_jaxpr, adjoint):
         assert "custom_vjp_call" in names, names
     else:
         assert "custom_jvp_call" in names and "custom_vjp_call" not in names, names
+
+
+def random_problem(dtype, block=None, n=5, seed=0):
+    """A random `(n, n)` matrix of spectral radius about 0.9 and an `x0` of shape
+    `(n,)` or `(n, block)`, in `dtype`."""
+    ka, kx = jr.split(jr.key(seed))
+    return random_matrix(ka, n, dtype), random_array(kx, x0_shape(n, block), dtype)
+
+
+def vjps(fs, args, key):
+    """Outputs and VJPs of each of `fs` at `args` with one random cotangent, in one
+    jitted program."""
+    out = jax.eval_shape(fs[0], *args)
+    ct = random_like(key, out)
+
+    @jax.jit
+    def run(args, ct):
+        results = []
+        for f in fs:
+            out, vjp = jax.vjp(f, *args)
+            results.append((out, vjp(ct)))
+        return results
+
+    return run(args, ct)

@@ -7,12 +7,13 @@ import pytest
 from helpers import (
     DTYPES,
     LAYOUTS,
+    MATRIX_KINDS,
     assert_trees_close,
     krylov_loop,
     make_operator,
     random_array,
     random_like,
-    random_matrix,
+    random_problem,
     tol,
     x0_shape,
 )
@@ -27,12 +28,6 @@ from krylovjax._doubling import (
 from krylovjax._operator import as_operator
 
 N = 5
-MATRIX_KINDS = ("dense", "bcoo")
-
-
-def _problem(dtype, block=None, n=N, seed=0):
-    ka, kx = jr.split(jr.key(seed))
-    return random_matrix(ka, n, dtype), random_array(kx, x0_shape(n, block), dtype)
 
 
 # ---------------------------------------------------------------------- values
@@ -45,7 +40,7 @@ _krylov = jax.jit(krylovjax.krylov, static_argnames=("d", "layout", "method"))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("block", [None, 3])
 def test_values_dense(dtype, layout, block):
-    A, x0 = _problem(dtype, block)
+    A, x0 = random_problem(dtype, block)
     got = _krylov(A, x0, d=7, layout=layout, method="doubling")
     want = krylov_loop(lambda x: A @ x, x0, 7, layout)
     assert got.dtype == want.dtype
@@ -54,7 +49,7 @@ def test_values_dense(dtype, layout, block):
 
 @pytest.mark.parametrize("d", [1, 2, 3, 4, 16, 17])
 def test_values_depths(d):
-    A, x0 = _problem(jnp.float64)
+    A, x0 = random_problem(jnp.float64)
     got = _krylov(A, x0, d=d, method="doubling")
     assert_trees_close(got, krylov_loop(lambda x: A @ x, x0, d), **tol(jnp.float64))
 
@@ -62,7 +57,7 @@ def test_values_depths(d):
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex64])
 @pytest.mark.parametrize("block", [None, 2])
 def test_values_bcoo(dtype, block):
-    A, x0 = _problem(dtype, block, n=7)
+    A, x0 = random_problem(dtype, block, n=7)
     params, build = make_operator("bcoo", A)
     got = _krylov(build(params), x0, d=11, method="doubling")
     B = build(params).todense()
@@ -70,7 +65,7 @@ def test_values_bcoo(dtype, block):
 
 
 def test_dtype_promotion():
-    A, x0 = _problem(jnp.complex64)
+    A, x0 = random_problem(jnp.complex64)
     got = krylovjax.krylov(A, x0.real, 6, method="doubling")
     want = krylovjax.krylov(A, x0.real, 6, method="scan")
     assert got.dtype == jnp.complex64
@@ -84,7 +79,7 @@ def test_dtype_promotion():
 @pytest.mark.parametrize("block", [None, 2])
 def test_suffix_scan_matches_the_recurrence(d, block):
     # Hillis-Steele against lam_i = g_i + A^T lam_(i+1), for every d mod 4.
-    A, _ = _problem(jnp.float64)
+    A, _ = random_problem(jnp.float64)
     g = random_array(jr.key(1), (d, *x0_shape(N, block)), jnp.float64)
     lams = [g[-1]]
     for k in range(d - 2, -1, -1):
@@ -102,7 +97,7 @@ def test_suffix_scan_matches_the_recurrence(d, block):
 def test_reverse_schemes_match_the_scan_vjp(d, block):
     # Both reverse schemes (transposed levels, Hillis-Steele + one GEMM) against
     # the scan's VJP with respect to A and x0, for every d mod 4.
-    A, x0 = _problem(jnp.float64, block)
+    A, x0 = random_problem(jnp.float64, block)
     b = 1 if block is None else block
     want_x, vjp = jax.vjp(
         lambda A, x0: krylovjax.krylov(A, x0, d, method="scan"), A, x0
@@ -134,7 +129,7 @@ def test_reverse_schemes_match_the_scan_vjp(d, block):
 def test_empty_block(method, adjoint, layout, d):
     # A block of zero columns: an empty Krylov matrix and zero gradients, the same
     # by both methods.
-    A, _ = _problem(jnp.float64)
+    A, _ = random_problem(jnp.float64)
     x0 = jnp.zeros((N, 0))
 
     def f(A, x0):
@@ -152,7 +147,7 @@ def test_empty_block(method, adjoint, layout, d):
 def test_empty_block_doubling_gradient(d):
     # Doubling's reverse pass takes a block of zero columns, at n = 5 with one level
     # (d = 2, the powers fit in memory) and with three (d = 5, where they do not).
-    A, _ = _problem(jnp.float64)
+    A, _ = random_problem(jnp.float64)
     x0 = jnp.zeros((N, 0))
 
     def loss(A, x0):
@@ -166,7 +161,7 @@ def test_empty_block_doubling_gradient(d):
 
 def _vjp_pair(kind, dtype, d, block, layout="columns", n=N, seed=0):
     """VJPs of doubling (custom rule) and scan (autodiff) at one random cotangent."""
-    A, x0 = _problem(dtype, block, n=n, seed=seed)
+    A, x0 = random_problem(dtype, block, n=n, seed=seed)
     params, build = make_operator(kind, A)
 
     def f(method, adjoint):
@@ -219,7 +214,7 @@ def test_vjp_hillis_steele_path():
 def test_custom_rule_runs():
     # Doubling's own reverse pass sums in another order than JAX's differentiation
     # of the forward levels: close, but not bitwise equal.
-    A, x0 = _problem(jnp.float64, n=6)
+    A, x0 = random_problem(jnp.float64, n=6)
     W = random_array(jr.key(5), (6, 40), jnp.float64)
 
     def grad(adjoint):
@@ -246,7 +241,7 @@ def test_custom_rule_runs():
     ],
 )
 def test_grads_finite_differences(kind, block, adjoint):
-    A, x0 = _problem(jnp.float64, block, n=4)
+    A, x0 = random_problem(jnp.float64, block, n=4)
     params, build = make_operator(kind, A)
 
     @jax.jit
@@ -257,7 +252,7 @@ def test_grads_finite_differences(kind, block, adjoint):
 
 
 def test_grads_finite_differences_complex():
-    A, x0 = _problem(jnp.complex128, 2, n=3)
+    A, x0 = random_problem(jnp.complex128, 2, n=3)
 
     @jax.jit
     def f(A, x):
@@ -267,7 +262,7 @@ def test_grads_finite_differences_complex():
 
 
 def test_forward_mode_with_autodiff_adjoint():
-    A, x0 = _problem(jnp.float64)
+    A, x0 = random_problem(jnp.float64)
 
     @jax.jit
     def f(x):
@@ -291,7 +286,7 @@ def _loss(method, d=8):
 
 
 def test_jit_and_grad_of_grad():
-    A, x0 = _problem(jnp.float64)
+    A, x0 = random_problem(jnp.float64)
 
     def hessian_like(method):
         inner = jax.grad(_loss(method), argnums=(0, 1))
@@ -308,8 +303,8 @@ def _krylov_6(method):
 
 @pytest.mark.parametrize("in_axes", [(None, 0), (0, None), (0, 0)])
 def test_vmap_over_x0_and_A(in_axes):
-    As = jnp.stack([_problem(jnp.float64, seed=s)[0] for s in range(3)])
-    xs = jnp.stack([_problem(jnp.float64, seed=s)[1] for s in range(3)])
+    As = jnp.stack([random_problem(jnp.float64, seed=s)[0] for s in range(3)])
+    xs = jnp.stack([random_problem(jnp.float64, seed=s)[1] for s in range(3)])
     args = (As[0] if in_axes[0] is None else As, xs[0] if in_axes[1] is None else xs)
     for make in (_krylov_6, lambda m: jax.grad(_loss(m), (0, 1))):
         got = jax.jit(jax.vmap(make("doubling"), in_axes))(*args)
@@ -318,7 +313,7 @@ def test_vmap_over_x0_and_A(in_axes):
 
 
 def test_checkpoint():
-    A, x0 = _problem(jnp.float64)
+    A, x0 = random_problem(jnp.float64)
     got = jax.jit(jax.grad(jax.checkpoint(_loss("doubling")), (0, 1)))(A, x0)
     want = jax.jit(jax.grad(_loss("scan"), (0, 1)))(A, x0)
     assert_trees_close(got, want, **tol(jnp.float64))
@@ -343,20 +338,20 @@ def test_reverse_pass_memory_has_no_per_level_copies():
 
 
 def test_callable_rejected():
-    A, x0 = _problem(jnp.float32)
+    A, x0 = random_problem(jnp.float32)
     with pytest.raises(ValueError, match=r"method='doubling'.*got a callable"):
         krylovjax.krylov(lambda x: A @ x, x0, 4, method="doubling")
 
 
 @pytest.mark.parametrize("d", [0, -2])
 def test_bad_depth(d):
-    A, x0 = _problem(jnp.float32)
+    A, x0 = random_problem(jnp.float32)
     with pytest.raises(ValueError, match=r"krylov\(d=\.\.\.\)"):
         krylovjax.krylov(A, x0, d, method="doubling")
 
 
 def test_bad_method():
-    A, x0 = _problem(jnp.float32)
+    A, x0 = random_problem(jnp.float32)
     with pytest.raises(ValueError, match=r"krylov\(method=\.\.\.\).*'doubling'"):
         krylovjax.krylov(A, x0, 4, method="doubled")
 
@@ -430,7 +425,7 @@ def test_auto_method_checks_its_arguments():
 
 def test_auto_runs_the_chosen_method():
     # auto gives exactly what the method it names gives, values and gradients.
-    A, x0 = _problem(jnp.float32, n=4)
+    A, x0 = random_problem(jnp.float32, n=4)
     for d in (16, 1024):
         chosen = krylovjax.auto_method(A, x0, d)
 

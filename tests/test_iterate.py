@@ -16,6 +16,7 @@ from helpers import (
     random_like,
     random_matrix,
     tol,
+    vjps,
 )
 from jax.test_util import check_grads
 
@@ -25,22 +26,6 @@ D = 4
 ADJOINTS = ("custom_vjp", "custom_jvp")
 # Forward mode raises for a custom_vjp (see test_transforms.py).
 MODES = {"custom_vjp": ["rev"], "custom_jvp": ["fwd", "rev"]}
-
-
-def _vjps(fs, args, key):
-    """Outputs and VJPs of each of `fs` with one random cotangent, in one program."""
-    out = jax.eval_shape(fs[0], *args)
-    ct = random_like(key, out)
-
-    @jax.jit
-    def run(args, ct):
-        results = []
-        for f in fs:
-            out, vjp = jax.vjp(f, *args)
-            results.append((out, vjp(ct)))
-        return results
-
-    return run(args, ct)
 
 
 class Coupled(eqx.Module):
@@ -115,7 +100,7 @@ def test_vjp_pytree_state_against_scan_autodiff(dtype):
         lambda s, x: krylovjax.iterate(s, x, D, adjoint="custom_jvp"),
     ]
     (out, grads), (out_ref, grads_ref), (_, grads_autodiff), (out_jvp, grads_jvp) = (
-        _vjps(fs, (step, state), jr.key(1))
+        vjps(fs, (step, state), jr.key(1))
     )
     assert_trees_close(out, out_ref, **tol(dtype))
     assert_trees_close(out_jvp, out_ref, **tol(dtype))
@@ -132,7 +117,7 @@ def test_vjp_mlp_against_scan_autodiff(adjoint):
         lambda m, x: krylovjax.iterate(m, x, D, adjoint=adjoint),
         lambda m, x: iterate_scan_reference(m, x, D),
     ]
-    (out, grads), (out_ref, grads_ref) = _vjps(fs, (mlp, x0), jr.key(2))
+    (out, grads), (out_ref, grads_ref) = vjps(fs, (mlp, x0), jr.key(2))
     assert_trees_close(out, out_ref, **tol(jnp.float64))
     assert_trees_close(grads, grads_ref, **tol(jnp.float64))
     for leaf in jax.tree_util.tree_leaves(grads):

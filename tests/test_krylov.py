@@ -20,9 +20,9 @@ from helpers import (
     krylov_scan_reference,
     make_operator,
     random_array,
-    random_matrix,
+    random_problem,
     tol,
-    x0_shape,
+    vjps,
 )
 from jax.experimental import sparse
 from jax.test_util import check_grads
@@ -31,11 +31,6 @@ import krylovjax
 from krylovjax._operator import as_operator
 
 N, D = 5, 4
-
-
-def _problem(dtype, block=None, n=N, seed=0):
-    ka, kx = jr.split(jr.key(seed))
-    return random_matrix(ka, n, dtype), random_array(kx, x0_shape(n, block), dtype)
 
 
 # ---------------------------------------------------------------------- values
@@ -47,7 +42,7 @@ def _problem(dtype, block=None, n=N, seed=0):
 def test_values_dense(method, dtype, layout):
     # Blocks, and the values with adjoint="custom_jvp" in every dtype and layout, are
     # covered in test_vjp_layouts_and_blocks_*.
-    A, x0 = _problem(dtype)
+    A, x0 = random_problem(dtype)
     X = jax.jit(
         krylovjax.krylov, static_argnums=2, static_argnames=("layout", "method")
     )(A, x0, D, layout=layout, method=method)
@@ -62,7 +57,7 @@ def test_values_dense(method, dtype, layout):
 def test_values_operator_kinds_block(method, kind):
     # Single vectors, and adjoint="custom_jvp" for every kind, are covered with values
     # in test_vjp_operator_kinds_*; custom_jvp with a block in test_vjp_layouts_*.
-    A, x0 = _problem(jnp.float64, block=2)
+    A, x0 = random_problem(jnp.float64, block=2)
     params, build = make_operator(kind, A)
 
     @jax.jit
@@ -77,7 +72,7 @@ def test_values_operator_kinds_block(method, kind):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_values_column_block_is_block_krylov_matrix(method):
-    A, x0 = _problem(jnp.float64, block=2)
+    A, x0 = random_problem(jnp.float64, block=2)
     X = krylovjax.krylov(A, x0, D, method=method)
     flat = X.reshape(N, D * 2)
     expected = np.concatenate(
@@ -91,7 +86,7 @@ def test_values_column_block_is_block_krylov_matrix(method):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("block", [None, 2])
 def test_depth_one_returns_x0_with_new_axis(method, layout, block):
-    A, x0 = _problem(jnp.float32, block)
+    A, x0 = random_problem(jnp.float32, block)
     X = krylovjax.krylov(A, x0, 1, layout=layout, method=method)
     axis = 1 if layout == "columns" else 0
     np.testing.assert_array_equal(X, jnp.expand_dims(x0, axis))
@@ -102,7 +97,7 @@ def test_depth_one_returns_x0_with_new_axis(method, layout, block):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_auto_method_matches(method):
-    A, x0 = _problem(jnp.float64)
+    A, x0 = random_problem(jnp.float64)
     assert_trees_close(
         krylovjax.krylov(A, x0, D, method="auto"),
         krylovjax.krylov(A, x0, D, method=method),
@@ -112,7 +107,7 @@ def test_auto_method_matches(method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_numpy_matrix_and_dtype_promotion(method):
-    A, x0 = _problem(jnp.float64)
+    A, x0 = random_problem(jnp.float64)
     X = krylovjax.krylov(np.asarray(A), x0, D, method=method)
     assert_trees_close(X, krylov_loop(lambda x: A @ x, x0, D), **tol(jnp.float64))
     # A complex matrix with a real start vector gives a complex Krylov matrix.
@@ -126,7 +121,7 @@ def test_numpy_matrix_and_dtype_promotion(method):
 def test_sparse_operator_mm_block():
     # `mm` applies A to a stack of (block) inputs in one call; it must agree with
     # the dense operator whatever the block width.
-    A, _ = _problem(jnp.float64)
+    A, _ = random_problem(jnp.float64)
     B = sparse.BCOO.fromdense(A)
 
     @jax.jit
@@ -160,34 +155,18 @@ def _reference_fn(build, layout="columns", d=D):
     return f
 
 
-def _vjps(fs, params, x0, key):
-    """Outputs and VJPs of each of `fs` with one random cotangent, in one program."""
-    out = jax.eval_shape(fs[0], params, x0)
-    ct = random_array(key, out.shape, out.dtype)
-
-    @jax.jit
-    def run(params, x0, ct):
-        results = []
-        for f in fs:
-            out, vjp = jax.vjp(f, params, x0)
-            results.append((out, vjp(ct)))
-        return results
-
-    return run(params, x0, ct)
-
-
 @grid(method=METHODS, kind=KINDS, adjoint=("custom_vjp", "custom_jvp"))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex128])
 def test_vjp_operator_kinds_against_scan_autodiff(method, kind, adjoint, dtype):
-    A, x0 = _problem(dtype)
+    A, x0 = random_problem(dtype)
     params, build = make_operator(kind, A)
     fs = [
         _krylov_fn(build, method, adjoint),
         _reference_fn(build),
         _krylov_fn(build, method, "autodiff"),
     ]
-    (out, grads), (out_ref, grads_ref), (_, grads_autodiff) = _vjps(
-        fs, params, x0, jr.key(7)
+    (out, grads), (out_ref, grads_ref), (_, grads_autodiff) = vjps(
+        fs, (params, x0), jr.key(7)
     )
     assert_trees_close(out, out_ref, **tol(dtype))
     assert_trees_close(grads, grads_ref, **tol(dtype))
@@ -206,13 +185,13 @@ LAYOUT_CASES += [("scan", "custom_jvp", dt) for dt in (jnp.float32, jnp.complex1
 @pytest.mark.parametrize(("method", "adjoint", "dtype"), LAYOUT_CASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_vjp_layouts_and_blocks_against_scan_autodiff(method, adjoint, dtype, layout):
-    A, x0 = _problem(dtype, block=3)
+    A, x0 = random_problem(dtype, block=3)
     build = lambda p: p  # noqa: E731
     fs = [
         _krylov_fn(build, method, adjoint, layout=layout),
         _reference_fn(build, layout),
     ]
-    (out, grads), (out_ref, grads_ref) = _vjps(fs, A, x0, jr.key(11))
+    (out, grads), (out_ref, grads_ref) = vjps(fs, (A, x0), jr.key(11))
     assert_trees_close(out, out_ref, **tol(dtype))
     assert_trees_close(grads, grads_ref, **tol(dtype))
 
@@ -222,7 +201,7 @@ def test_vjp_layouts_and_blocks_against_scan_autodiff(method, adjoint, dtype, la
 def test_vjp_accepts_numpy_cotangent(method, adjoint, layout):
     # With layout="rows" the cotangent reaches the reverse pass unconverted, so a
     # NumPy cotangent must not be indexed by a traced step counter.
-    A, x0 = _problem(jnp.float64)
+    A, x0 = random_problem(jnp.float64)
     f = _krylov_fn(lambda p: p, method, adjoint, layout=layout)
     out, vjp = jax.vjp(f, A, x0)
     ct = np.asarray(random_array(jr.key(4), out.shape, out.dtype))
@@ -237,7 +216,7 @@ def test_vjp_accepts_numpy_cotangent(method, adjoint, layout):
 )
 def test_grad_of_one_argument(method, kind, adjoint):
     # Differentiating only x0 (operator not perturbed) or only the operator.
-    A, x0 = _problem(jnp.float64)
+    A, x0 = random_problem(jnp.float64)
     params, build = make_operator(kind, A)
     ct = random_array(jr.key(5), (N, D), jnp.float64)
 
@@ -265,7 +244,7 @@ MODES = {"custom_vjp": ["rev"], "custom_jvp": ["fwd", "rev"], "autodiff": ["rev"
 )
 def test_grads_finite_differences(method, kind, adjoint):
     # "closure" and "module" reach the same code path as "method" (a callable).
-    A, x0 = _problem(jnp.float64, n=4)
+    A, x0 = random_problem(jnp.float64, n=4)
     params, build = make_operator(kind, A)
     f = jax.jit(_krylov_fn(build, method, adjoint, d=3))
     check_grads(f, (params, x0), order=2, modes=MODES[adjoint])
@@ -273,7 +252,7 @@ def test_grads_finite_differences(method, kind, adjoint):
 
 @grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
 def test_grads_finite_differences_complex_block(method, adjoint):
-    A, x0 = _problem(jnp.complex128, block=2, n=3)
+    A, x0 = random_problem(jnp.complex128, block=2, n=3)
     f = jax.jit(_krylov_fn(lambda p: p, method, adjoint, layout="columns", d=3))
     check_grads(f, (A, x0), order=2, modes=MODES[adjoint])
 
@@ -282,7 +261,7 @@ def test_grads_finite_differences_complex_block(method, adjoint):
 def test_sum_loss_closed_form(method, adjoint):
     # The motivating case: n = 3, d = 10, loss = sum of the Krylov matrix.
     n, d = 3, 10
-    A, x0 = _problem(jnp.float64, n=n, seed=1)
+    A, x0 = random_problem(jnp.float64, n=n, seed=1)
 
     def loss(A, x0):
         return krylovjax.krylov(A, x0, d, method=method, adjoint=adjoint).sum()
@@ -314,20 +293,20 @@ def test_custom_rule_runs_numerically(adjoint):
     # float32, moderately sized: the hand-written rule sums in a different order
     # than autodiff through the scan, so the results agree but are not bitwise equal.
     n, d = 48, 24
-    A, x0 = _problem(jnp.float32, n=n, seed=2)
+    A, x0 = random_problem(jnp.float32, n=n, seed=2)
     build = lambda p: p  # noqa: E731
     fs = [
         _krylov_fn(build, "scan", adjoint, d=d),
         _krylov_fn(build, "scan", "autodiff", d=d),
     ]
-    (_, custom), (_, autodiff) = _vjps(fs, A, x0, jr.key(3))
+    (_, custom), (_, autodiff) = vjps(fs, (A, x0), jr.key(3))
     assert_trees_close(custom, autodiff, rtol=1e-4, atol=1e-4)
     assert not all(np.array_equal(a, b) for a, b in zip(custom, autodiff, strict=True))
 
 
 @grid(method=METHODS, adjoint=ADJOINTS)
 def test_custom_rule_in_jaxpr(method, adjoint):
-    A, x0 = _problem(jnp.float32)
+    A, x0 = random_problem(jnp.float32)
     f = _krylov_fn(lambda p: p, method, adjoint)
     assert_rule_in_jaxpr(jax.make_jaxpr(f)(A, x0), adjoint)
 
@@ -336,7 +315,7 @@ def test_auto_method_with_custom_jvp_uses_scan():
     # A small matrix and a long sequence, where "auto" picks doubling for the other
     # adjoints; with custom_jvp it must use the scan, so forward mode works.
     n = 4
-    A, x0 = _problem(jnp.float64, n=n, seed=4)
+    A, x0 = random_problem(jnp.float64, n=n, seed=4)
     A = A / jnp.linalg.norm(A, 2)
     depths = (64, 256, 1024, 4096)
     d = next(d for d in depths if krylovjax.auto_method(A, x0, d) == "doubling")
