@@ -58,7 +58,6 @@ CHUNK = 64
 
 def krylov_scan(operator: AbstractOperator, x0: Array, d: int) -> Array:
     r"""$[x_0, A x_0, \dots, A^{d-1} x_0]$ stacked on a new first axis, by one scan."""
-
     return jnp.concatenate([x0[None], krylov_tail(operator, x0, d - 1)])
 
 
@@ -108,8 +107,9 @@ def adjoint_chunks(
 
     `tail` is the stack $[x_1, \dots, x_{d-1}]$ and `g_tail` its cotangent.
     Solves $\lambda_i = g_i + A^\top \lambda_{i+1}$ from $i = d - 1$ down to $1$,
-    `chunk` steps at a time (see the module docstring). Returns $\lambda_1$ (the
-    gradient of $x_0$ is then $g_0 + A^\top \lambda_1$) and, if `want_operator`,
+    `chunk` steps at a time (see the module docstring). Returns $A^\top \lambda_1$,
+    the gradient of $x_0$ through the steps (JAX adds $g_0$, since $x_0$ is put in
+    front outside the rule), and, if `want_operator`,
     $\sum_{i \ge 1} \lambda_i x_{i-1}^\top$ as a cotangent of the operator (else
     `None`).
     """
@@ -159,7 +159,9 @@ def adjoint_chunks(
     if want_operator:
         assert grad is not None
         grad = operator.add_param_vjp(grad, x0[None], lam1[None])
-    return lam1, grad
+    # The transpose that served every step serves x0 too (a callable is linearised
+    # once).
+    return keep_sharding(transpose_mv(lam1), x0), grad
 
 
 @eqx.filter_custom_vjp
@@ -185,8 +187,7 @@ def _krylov_bwd(tail, g_tail, perturbed, vjp_arg, d):
     # The cotangent may arrive as a NumPy array (`vjp_fn(np.ones(...))`).
     g_tail = jnp.zeros_like(tail) if g_tail is None else jnp.asarray(g_tail)
     want_operator = bool(jtu.tree_leaves(operator_perturbed))
-    lam1, grad_operator = adjoint_chunks(operator, x0, tail, g_tail, want_operator)
-    grad_x0 = keep_sharding(operator.transpose(x0)(lam1), x0)
+    grad_x0, grad_operator = adjoint_chunks(operator, x0, tail, g_tail, want_operator)
     if not want_operator:
         grad_operator = jtu.tree_map(
             lambda _: None, eqx.filter(operator, eqx.is_inexact_array)
@@ -252,8 +253,7 @@ def tangent_chunks(
 def _tangent_transpose(inputs, g):
     operator, x0, tail, t_operator, t_x0 = inputs
     want_operator = is_tangent(t_operator)
-    lam1, ct_operator = adjoint_chunks(operator, x0, tail, g, want_operator)
-    ct_x0 = keep_sharding(operator.transpose(x0)(lam1), x0)
+    ct_x0, ct_operator = adjoint_chunks(operator, x0, tail, g, want_operator)
     if want_operator:
         ct_operator = like_tangent(t_operator, ct_operator)
     else:
