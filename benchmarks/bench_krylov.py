@@ -22,8 +22,9 @@ outputs, arguments).
 
 Run `python benchmarks/bench_krylov.py` (a few minutes on 2 cores) or
 `python benchmarks/bench_krylov.py --quick` (a smoke run, under 30 s). Results
-go to `--out` (default `benchmarks/results`): `results.json` (every raw number and
-the machine), `results.md` (tables of ratios) and `grad_time_memory_vs_d.png`.
+go to `--out` (default `benchmarks/out/krylov`, git-ignored): `results.json` (every
+raw number and the machine), `results.md` (tables of ratios) and
+`grad_time_memory_vs_d.png`.
 The machine may be shared and noisy: read the ratios, measured side by side in one
 run, rather than the absolute times.
 """
@@ -639,8 +640,8 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path(__file__).parent / "results",
-        help="output folder (default: benchmarks/results)",
+        default=Path(__file__).parent / "out" / "krylov",
+        help="output folder (default: benchmarks/out/krylov, git-ignored)",
     )
     parser.add_argument("--no-plot", action="store_true", help="skip the figure")
     args = parser.parse_args(argv)

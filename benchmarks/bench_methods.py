@@ -1,7 +1,7 @@
 """Benchmark `krylov(method=...)`: "scan" against "doubling" against "auto".
 
-Three measurements, each written to `--out` (default `benchmarks/results_methods`)
-as JSON and markdown, plus a plot of the timing ratios:
+Three measurements, each written to `--out` (default `benchmarks/out/methods`,
+git-ignored) as JSON and markdown, plus a plot of the timing ratios:
 
 1. Time of `jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))` with
    `loss(A, x0) = sum(krylov(A, x0, d, method=m) * W)`, for a dense random `A`
@@ -20,8 +20,8 @@ Run `python benchmarks/bench_methods.py` (about ten minutes on two CPU cores) or
 `python benchmarks/bench_methods.py --quick` (a smaller grid, fewer repeats). The
 thresholds of `method="auto"` come from runs of the timing alone per dtype, e.g.
 `python benchmarks/bench_methods.py --dtype complex64 --skip-accuracy --ns 4 16 64
---ds 128 1024 --out benchmarks/results_methods/focus_complex64` (the exact commands
-are written beside the thresholds in `krylovjax/_doubling.py`). `--render JSON`
+--ds 128 1024 --out benchmarks/out/focus_complex64` (the exact commands are in
+`benchmarks/README.md`, "How `auto` chooses"). `--render JSON`
 rewrites the markdown and plot beside an existing `methods.json` without measuring.
 """
 
@@ -347,7 +347,11 @@ def plot(path, result):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller grid")
-    parser.add_argument("--out", default="benchmarks/results_methods")
+    parser.add_argument(
+        "--out",
+        default=pathlib.Path(__file__).parent / "out" / "methods",
+        help="output folder (default: benchmarks/out/methods, git-ignored)",
+    )
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument(
         "--budget", type=float, default=None, help="seconds per grid point (about)"
