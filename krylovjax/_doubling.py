@@ -16,8 +16,9 @@ sequential scan is dominated by per-step overhead.
 Everything works on the Krylov matrix in the columns layout, `(n, d)` for a vector
 and `(n, d, b)` for a block $X_0$ of $b$ columns, which in memory is the flattened
 $(n, d b)$ matrix $[X_0 \mid A X_0 \mid \dots]$: every level is one GEMM
-$P X_{[:, :m]}$ on a contiguous range of vectors, appended by concatenation;
-`layout="rows"` transposes once at the end.
+$P X_{[:, :m]}$ on a contiguous range of vectors, appended by concatenation. The
+builders at the end return `krylov`'s common stack `(d, *x0.shape)`, one transpose
+that XLA merges with `krylov`'s layout.
 
 The reverse pass (its own `equinox.filter_custom_vjp`) is parallel in time too:
 
@@ -47,9 +48,12 @@ $n^2 \log_2 d$ is at most twice that by its condition). For a BCOO matrix the
 gradient of $A$ is taken through the densification, i.e. the dense gradient
 sampled at the stored indices. Residuals are the forward output and the operator.
 
-A BCOO matrix is densified (`A.todense()`) for the products, since $A^2, A^4, \dots$
-fill in after a few levels; only the gradient of its stored values is sparse.
-A callable operator has no matrix to square, so it is rejected.
+The matrix comes from the operator's `as_matrix()`. A BCOO matrix is densified
+for the products, since $A^2, A^4, \dots$ fill in after a few levels; only the
+gradient of its stored values is sparse. A callable is materialised as the matrix
+of its action on $x_0$ flattened ($N \times N$ for $N$ = `x0.size`; the gradient
+reaches its arrays through that materialisation), so doubling pays only for small
+$N$; `auto` never picks it for a callable.
 
 All matrix products here use `jax.lax.Precision.HIGHEST`: on accelerators whose
 default float32 matrix product rounds to fewer bits, high powers $A^{2^k}$ would
@@ -69,30 +73,9 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array, Inexact
 
-from ._operator import AbstractOperator, DenseOperator, FunctionOperator, SparseOperator
+from ._operator import AbstractOperator, DenseOperator
 
 _HIGHEST = lax.Precision.HIGHEST
-
-
-def check_doubling(operator: AbstractOperator) -> None:
-    """Raise a `ValueError` unless `operator` is a dense or BCOO matrix."""
-    if isinstance(operator, FunctionOperator):
-        msg = (
-            "`krylov(method='doubling')` needs a dense or BCOO matrix `A`; got a "
-            "callable. Pass the matrix itself, or use `method='scan'`."
-        )
-        raise ValueError(msg)
-
-
-def dense_matrix(operator: AbstractOperator) -> Inexact[Array, "n n"]:
-    """The operator as a dense `(n, n)` array (a BCOO matrix is densified)."""
-    if isinstance(operator, DenseOperator):
-        return operator.matrix
-    if isinstance(operator, SparseOperator):
-        return operator.matrix.todense()
-    check_doubling(operator)
-    msg = f"Unsupported operator {type(operator).__name__}."
-    raise TypeError(msg)
 
 
 # ----------------------------------------------------------------------- selection
@@ -208,11 +191,6 @@ def _block_unsharded(X: Array) -> bool:
     return sharding.mesh.are_all_axes_explicit and (len(spec) < 3 or spec[2] is None)
 
 
-def _lay_out(xs: Array, layout: str) -> Array:
-    """The `(n, d, *b)` buffer in `krylov`'s `layout`."""
-    return xs if layout == "columns" else jnp.moveaxis(xs, 1, 0)
-
-
 def _levels(d: int) -> list[tuple[int, int]]:
     """`(k, m)` for every doubling level: `m` new vectors appended after `k`."""
     levels, k = [], 1
@@ -240,16 +218,6 @@ def _forward_columns(
         # Concatenation measured faster than writing into a preallocated buffer.
         xs = jnp.concatenate([xs, _mm(power, xs[:, :m])], axis=1)
     return xs
-
-
-def krylov_doubling(
-    matrix: Inexact[Array, "n n"],
-    x0: Inexact[Array, "n ..."],
-    d: int,
-    layout: Literal["columns", "rows"] = "columns",
-) -> Inexact[Array, "..."]:
-    """The forward pass by doubling, differentiated by JAX, laid out by `layout`."""
-    return _lay_out(_forward_columns(matrix, x0[:, None], d), layout)
 
 
 def adjoint_doubling(
@@ -325,7 +293,7 @@ def _suffix_scan_hillis_steele(matrix: Array, g: Array) -> Array:
 @eqx.filter_custom_vjp
 def _doubling_columns(vjp_arg: tuple[AbstractOperator, Array], d: int) -> Array:
     operator, x0 = vjp_arg
-    return _forward_columns(dense_matrix(operator), x0, d)
+    return _forward_columns(operator.as_matrix(), x0, d)
 
 
 @_doubling_columns.def_fwd
@@ -342,23 +310,49 @@ def _doubling_bwd(xs, g, perturbed, vjp_arg, d):
     if g is None:
         g = jnp.zeros_like(xs)
     matrix_grad = any(jtu.tree_leaves(operator_perturbed))
-    grad_x0, grad_matrix = adjoint_doubling(dense_matrix(operator), xs, g, matrix_grad)
+    matrix = operator.as_matrix()
+    grad_x0, grad_matrix = adjoint_doubling(matrix, xs, g, matrix_grad)
     diff, static = eqx.partition(operator, eqx.is_inexact_array)
     if matrix_grad:
-        # Through `dense_matrix`: the matrix itself, or for a BCOO matrix its
-        # stored values (the dense gradient sampled at the stored indices).
-        _, vjp = jax.vjp(lambda diff: dense_matrix(eqx.combine(diff, static)), diff)
+        # Through `as_matrix`: the matrix itself, for a BCOO matrix its stored
+        # values (the dense gradient sampled at the stored indices), for a callable
+        # the arrays it holds.
+        _, vjp = jax.vjp(lambda diff: eqx.combine(diff, static).as_matrix(), diff)
         (grad_operator,) = vjp(grad_matrix)
     else:
         grad_operator = jtu.tree_map(lambda _: None, diff)
     return grad_operator, grad_x0
 
 
-def krylov_doubling_custom_vjp(
-    vjp_arg: tuple[AbstractOperator, Array],
-    d: int,
-    layout: Literal["columns", "rows"] = "columns",
-) -> Array:
-    """The forward pass by doubling with its own reverse pass, laid out by `layout`."""
-    operator, x0 = vjp_arg
-    return _lay_out(_doubling_columns((operator, x0[:, None]), d), layout)
+# ------------------------------------------------------------------ the builders
+#
+# What `krylov` dispatches to: `(operator, x0, d)` -> the stack `(d, *x0.shape)`.
+
+
+def _doubling(columns):
+    """A builder from a function of `(operator, x0 as (n, 1, *b), d)` that returns
+    the columns layout `(n, d, *b)`."""
+
+    def build(operator: AbstractOperator, x0: Array, d: int) -> Array:
+        n = jax.eval_shape(operator.as_matrix).shape[0]
+        if x0.shape[0] != n or x0.size == n:
+            # A callable's matrix acts on x0 flattened (a vector needs no reshape).
+            xs = columns(operator, x0.reshape(n, 1), d)
+            return xs.T.reshape(d, *x0.shape)
+        return jnp.moveaxis(columns(operator, x0[:, None], d), 1, 0)
+
+    return build
+
+
+def _autodiff_columns(operator: AbstractOperator, x0: Array, d: int) -> Array:
+    return _forward_columns(operator.as_matrix(), x0, d)
+
+
+def _custom_vjp_columns(operator: AbstractOperator, x0: Array, d: int) -> Array:
+    return _doubling_columns((operator, x0), d)
+
+
+# Doubling differentiated by JAX.
+krylov_doubling = _doubling(_autodiff_columns)
+# Doubling with its own parallel-in-time reverse pass (the default rule).
+krylov_doubling_custom_vjp = _doubling(_custom_vjp_columns)

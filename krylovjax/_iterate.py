@@ -24,7 +24,7 @@ rule is `adjoint_states` above (what `jax.grad` runs). `adjoint="custom_vjp"` is
 same reverse pass as a `jax.custom_vjp`, reverse mode only.
 """
 
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -33,9 +33,9 @@ import jax.tree_util as jtu
 from jax import lax
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
+from ._sequence import ADJOINTS, Adjoint, trajectory, with_first
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
-ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
 _State = TypeVar("_State")
 
 
@@ -44,7 +44,7 @@ def iterate(
     x0: _State,
     d: int,
     *,
-    adjoint: Literal["custom_jvp", "custom_vjp", "autodiff"] = "custom_jvp",
+    adjoint: Adjoint = "custom_jvp",
 ) -> _State:
     r"""Stack the trajectory $x_0, f(x_0), f(f(x_0)), \dots$ of $d$ states.
 
@@ -148,13 +148,7 @@ def _check_step_output(out: Any, x0: Any) -> None:
 
 def iterate_scan(step: Any, x0: Any, d: int) -> Any:
     """The forward pass: one `lax.scan`, states stacked on a new leading axis."""
-
-    def body(x, _):
-        y = step(x)
-        return y, y
-
-    _, rest = lax.scan(body, x0, length=d - 1)
-    return jtu.tree_map(lambda a, b: jnp.concatenate([a[None], b]), x0, rest)
+    return with_first(x0, trajectory(step, x0, d - 1))
 
 
 @eqx.filter_custom_vjp

@@ -1,33 +1,39 @@
 r"""`krylov`: the Krylov matrix $[x_0, A x_0, \dots, A^{d-1} x_0]$.
 
-The public function: it validates its arguments, turns `A` into the internal operator
-form (`_operator.py`) and dispatches to a construction method with its derivative
-rules: the sequential scan (`_scan.py`) or parallel-in-time doubling (`_doubling.py`).
+The public function, and the one place where the method and the derivative rule are
+chosen. It validates its arguments, turns `A` into the internal operator form
+(`_operator.py`), resolves `method="auto"` and the default rule, and calls one
+builder from `BUILDERS`: every builder takes `(operator, x0, d)` and returns the
+stack `(d, *x0.shape)`, to which `krylov` applies `layout` once. A construction
+method lives in its own module (`_scan.py`, `_doubling.py`) with its derivative
+rules and any layout trick of its own; adding one means a module and rows here.
 """
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
-from ._doubling import (
-    check_doubling,
-    choose_method,
-    dense_matrix,
-    krylov_doubling,
-    krylov_doubling_custom_vjp,
-)
-from ._operator import DenseOperator, DenseRowsOperator, as_operator
-from ._scan import (
-    krylov_custom_jvp,
-    krylov_custom_vjp,
-    krylov_scan,
-)
+from ._doubling import choose_method, krylov_doubling, krylov_doubling_custom_vjp
+from ._operator import AbstractOperator, as_operator
+from ._scan import krylov_custom_jvp, krylov_custom_vjp, krylov_scan
+from ._sequence import ADJOINTS, Adjoint
 
 LAYOUTS = ("columns", "rows")
-ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
 METHODS = ("auto", "scan", "doubling")
+
+# (method, adjoint) -> builder; a missing pair is a combination that does not exist.
+BUILDERS: dict[tuple[str, str], Callable[[AbstractOperator, Array, int], Array]] = {
+    ("scan", "custom_jvp"): krylov_custom_jvp,
+    ("scan", "custom_vjp"): krylov_custom_vjp,
+    ("scan", "autodiff"): krylov_scan,
+    ("doubling", "custom_vjp"): krylov_doubling_custom_vjp,
+    ("doubling", "autodiff"): krylov_doubling,
+}
+# The rule each method uses when `adjoint=None`.
+DEFAULT_ADJOINT: dict[str, str] = {"scan": "custom_jvp", "doubling": "custom_vjp"}
 
 
 def krylov(
@@ -36,7 +42,7 @@ def krylov(
     d: int,
     *,
     layout: Literal["columns", "rows"] = "columns",
-    adjoint: Literal["custom_jvp", "custom_vjp", "autodiff"] | None = None,
+    adjoint: Adjoint | None = None,
     method: Literal["scan", "doubling", "auto"] = "scan",
 ) -> Inexact[Array, "..."]:
     r"""Build the Krylov matrix $[x_0, A x_0, A^2 x_0, \dots, A^{d-1} x_0]$.
@@ -83,31 +89,31 @@ def krylov(
         `jax.jacfwd` raise a `TypeError`. `"autodiff"`: JAX's own rules through the
         construction; reverse mode saves every step.
     - `method`: how the vectors are built. `"scan"`: one sequential `lax.scan` of
-        $d - 1$ matrix-vector products. `"doubling"`: parallel in time, for a dense
-        or BCOO matrix only (a BCOO matrix is densified, since its powers fill in;
-        a callable raises a `ValueError`). It appends $A^k [x_0, \dots, x_{k-1}]$
-        and squares $A^k$ in $\lceil \log_2 d \rceil$ levels, and its reverse pass
-        is parallel in time too (the levels transposed, or a parallel suffix scan
-        of the adjoint recurrence when the powers would not fit in memory): about
-        $\log_2 d$ products of $n \times n$ matrices plus $O(n^2 d)$ work in large
-        GEMMs, which beats the scan when $d$ is large and $n$ small. Its rounding
-        errors are relative to $\|A^{2^k}\|$ rather than to each vector, so it
-        loses accuracy against the scan when powers of $A$ grow and decay at very
-        different rates: strongly non-normal $A$, or $x_0$ close to directions
-        that $A$ contracts while others grow; with the spectral radius far from 1,
-        the powers overflow (to `inf`, then `nan` where a zero meets them) even
-        when $x_0$ never touches the growing mode, and for matrices whose powers
-        the scan reproduces exactly (a reflection, say) doubling's error grows
-        with $d$. So the default is `"scan"`. `"auto"` (opt-in) picks
+        $d - 1$ matrix-vector products. `"doubling"`: parallel in time, on a dense
+        matrix (a BCOO matrix is densified, since its powers fill in; a callable is
+        materialised as the $N \times N$ matrix of its action on `x0` flattened, $N$
+        = `x0.size`, so it pays only for small $N$). It appends $A^k [x_0, \dots,
+        x_{k-1}]$ and squares $A^k$ in $\lceil \log_2 d \rceil$ levels, and its
+        reverse pass is parallel in time too (the levels transposed, or a parallel
+        suffix scan of the adjoint recurrence when the powers would not fit in
+        memory): about $\log_2 d$ products of $n \times n$ matrices plus $O(n^2 d)$
+        work in large GEMMs, which beats the scan when $d$ is large and $n$ small.
+        Its rounding errors are relative to $\|A^{2^k}\|$ rather than to each
+        vector, so it loses accuracy against the scan when powers of $A$ grow and
+        decay at very different rates: strongly non-normal $A$, or $x_0$ close to
+        directions that $A$ contracts while others grow; with the spectral radius
+        far from 1, the powers overflow (to `inf`, then `nan` where a zero meets
+        them) even when $x_0$ never touches the growing mode, and for matrices whose
+        powers the scan reproduces exactly (a reflection, say) doubling's error
+        grows with $d$. So the default is `"scan"`. `"auto"` (opt-in) picks
         `"doubling"` for a dense matrix when $d$ is large compared with $n$ and
         `"scan"` otherwise, including every BCOO matrix, every callable, and
-        whenever `adjoint="custom_jvp"`; where it picks doubling it has
-        doubling's limits. Its thresholds
-        depend on the dtype (doubling wins at smaller $d$ for complex dtypes) and
-        on the block size (a block of $b > 1$ vectors counts as $2 b d$), and were
-        measured on CPU ([`krylovjax.auto_method`][] names the choice; the
-        measurements are in `benchmarks/README.md`); other backends use the CPU
-        thresholds until measured.
+        whenever `adjoint="custom_jvp"`; where it picks doubling it has doubling's
+        limits. Its thresholds depend on the dtype (doubling wins at smaller $d$ for
+        complex dtypes) and on the block size (a block of $b > 1$ vectors counts as
+        $2 b d$), and were measured on CPU ([`krylovjax.auto_method`][] names the
+        choice; the measurements are in `benchmarks/README.md`); other backends use
+        the CPU thresholds until measured.
 
     **Returns:**
 
@@ -136,37 +142,21 @@ def krylov(
         check_choice(adjoint, ADJOINTS, "krylov(adjoint=...)")
     check_choice(method, METHODS, "krylov(method=...)")
     operator, x0, d = _problem(A, x0, d, "krylov")
-    if method == "doubling":
-        check_doubling(operator)
-        if adjoint == "custom_jvp":
-            msg = (
-                "`krylov(adjoint='custom_jvp')` is available with `method='scan'`; got "
-                "`method='doubling'`. For forward mode with doubling, use "
-                "`adjoint='autodiff'`."
-            )
-            raise ValueError(msg)
-    elif method == "auto":
+    if method == "auto":
         # Doubling has a reverse-mode rule only: an explicit request for forward
         # mode keeps the scan.
-        if adjoint == "custom_jvp":
-            method = "scan"
-        else:
-            method = choose_method(operator, x0, d)
-    if d == 1:
-        xs = x0[None]
-    elif method == "doubling" and adjoint in (None, "custom_vjp"):
-        return krylov_doubling_custom_vjp((operator, x0), d, layout)
-    elif method == "doubling":
-        return krylov_doubling(dense_matrix(operator), x0, d, layout)
-    elif adjoint == "autodiff":
-        xs = krylov_scan(operator, x0, d)
-    elif isinstance(operator, DenseOperator) and x0.ndim == 2:
-        # A dense matrix and a block: the scan runs on the block's transpose, one
-        # vector per row (see `DenseRowsOperator`).
-        zs = _scan_with_rule(DenseRowsOperator(operator.matrix.T), x0.T, d, adjoint)
-        return jnp.transpose(zs, (2, 0, 1) if layout == "columns" else (0, 2, 1))
-    else:
-        xs = _scan_with_rule(operator, x0, d, adjoint)
+        method = "scan" if adjoint == "custom_jvp" else choose_method(operator, x0, d)
+    rule = DEFAULT_ADJOINT[method] if adjoint is None else adjoint
+    build = BUILDERS.get((method, rule))
+    if build is None:
+        offered = [a for m, a in BUILDERS if m == method]
+        msg = (
+            f"`krylov(adjoint={rule!r})` is not available with "
+            f"`method={method!r}`, which offers {offered}. For forward mode use "
+            f"`method='scan'` (its default rule) or `adjoint='autodiff'`."
+        )
+        raise ValueError(msg)
+    xs = x0[None] if d == 1 else build(operator, x0, d)
     return xs if layout == "rows" else jnp.moveaxis(xs, 0, 1)
 
 
@@ -218,9 +208,3 @@ def _problem(A, x0, d, fn_name):
     check_output_size(d, [x0], fn_name)
     operator, x0 = as_operator(A, x0, fn_name)
     return operator, x0, d
-
-
-def _scan_with_rule(operator, x0, d, adjoint):
-    if adjoint == "custom_vjp":
-        return krylov_custom_vjp(operator, x0, d)
-    return krylov_custom_jvp(operator, x0, d=d)

@@ -9,20 +9,28 @@ pytree whose floating-point leaves are exactly the arrays that gradients must re
 the dense matrix, the BCOO values, or every array a callable closes over (made
 explicit by `equinox.filter_closure_convert`).
 
-Every operator offers the four things the forward and reverse passes need:
+The interface, modelled on lineax's `AbstractLinearOperator`:
 
 - `mv(x)`: $A x$ for one vector (or block) of `x0`'s shape;
-- `transpose(like)`: a function $y \mapsto A^\top y$, which is the vector-Jacobian
-  product of $x \mapsto A x$ (JAX's convention: the transpose, not the conjugate
-  transpose, also for complex dtypes);
-- `mm(xs)`: $A$ applied to a stack of inputs along a new leading axis, in one batched
-  call;
+- `transpose()`: the operator $A^\top$, whose `mv` is the vector-Jacobian product of
+  $x \mapsto A x$ (JAX's convention: the transpose, not the conjugate transpose,
+  also for complex dtypes). A callable keeps its input structure, so no example
+  input is needed; a callable is linearised once, when `transpose()` is called;
+- `as_matrix()`: the matrix that `mv` applies to each vector (for a callable, to
+  `x0` flattened);
+- `mm(xs)`: $A$ applied to a stack of inputs along a new leading axis, in one
+  batched call;
 - `param_vjp(xs, cts)`: the cotangent of the operator's arrays for
-  $\sum_k \langle \bar y_k, A x_k \rangle$, computed as one batched operation over
-  the whole stack (one GEMM for a dense matrix, one sampled product for BCOO, one
-  batched VJP for a callable) rather than $k$ sequential rank-one updates.
+  $\sum_k \langle \bar y_k, A x_k \rangle$, one batched VJP of `mm` over the
+  whole stack rather than $k$ sequential rank-one updates;
+- `add_param_vjp(acc, stored, first, cts)`: `acc` plus `param_vjp` for a slice of
+  a stack, how the reverse pass sums its chunks. The dense and BCOO kinds
+  specialise it to bound the temporary memory (see each class).
+
+Adding an operator kind means one class here and one branch in `as_operator`.
 """
 
+import abc
 import math
 from collections.abc import Callable
 from typing import Any
@@ -43,23 +51,52 @@ from ._linearity import check_linear
 class AbstractOperator(eqx.Module):
     """A linear operator in the form the algorithms consume."""
 
+    @abc.abstractmethod
     def mv(self, x: Array) -> Array:
-        raise NotImplementedError
+        """$A x$ for one input of `x0`'s shape."""
 
-    def transpose(self, like: Array) -> Callable[[Array], Array]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def transpose(self) -> "AbstractOperator":
+        r"""The operator $A^\top$ (the VJP of `mv`; no conjugation)."""
+
+    @abc.abstractmethod
+    def as_matrix(self) -> Array:
+        """The matrix of `mv` on one vector: `(n, n)`."""
 
     def mm(self, xs: Array) -> Array:
+        """`mv` of every input of a stack `(k, ...)`, in one batched call."""
         return jax.vmap(self.mv)(xs)
 
     def param_vjp(self, xs: Array, cts: Array) -> "AbstractOperator":
-        raise NotImplementedError
+        r"""The cotangent of the operator's inexact arrays for
+        $\sum_k \langle \mathrm{cts}_k, A\,\mathrm{xs}_k \rangle$: one VJP of `mm`."""
+        diff, static = eqx.partition(self, eqx.is_inexact_array)
+        out, vjp = jax.vjp(lambda diff: eqx.combine(diff, static).mm(xs), diff)
+        (grad,) = vjp(typed_like(cts, out))
+        return grad
 
     def add_param_vjp(
-        self, acc: "AbstractOperator", xs: Array, cts: Array
+        self, acc: "AbstractOperator", stored: Array, first: Array | int, cts: Array
     ) -> "AbstractOperator":
-        """`acc` plus `param_vjp(xs, cts)`: how the reverse pass sums its chunks."""
+        """`acc` plus `param_vjp(xs, cts)` for the `k = len(cts)` stored vectors
+        `xs = stored[first:first + k]`: how the reverse pass sums its chunks."""
+        xs = lax.dynamic_slice_in_dim(stored, first, cts.shape[0])
         return jtu.tree_map(jnp.add, acc, self.param_vjp(xs, cts))
+
+
+def typed_like(ct: Array, out: Array) -> Array:
+    """`ct` with the sharding type of `out`; a no-op unless the mesh is `Explicit`.
+
+    A VJP takes cotangents typed exactly like the function's output. On an explicit
+    mesh the sharding is part of that type, and a callable's output need not be
+    sharded like its input: `lambda v: A @ v` with a row-sharded `A` gives a
+    row-sharded vector even for a replicated `v`, while the cotangents (the adjoint
+    vectors) keep `x0`'s sharding.
+    """
+    sharding = jax.typeof(out).sharding
+    if jax.typeof(ct).sharding == sharding:
+        return ct
+    return jax.sharding.reshard(ct, sharding)
 
 
 # The reverse pass adds each chunk's (n, n) gradient of a dense matrix into its
@@ -108,21 +145,20 @@ class DenseOperator(AbstractOperator):
     def mv(self, x: Shaped[Array, "n ..."]) -> Shaped[Array, "n ..."]:
         return self.matrix @ x
 
-    def transpose(self, like: Array) -> Callable[[Array], Array]:
-        del like
-        # Contract the matrix's first axis directly: `matrix.T @ y` would make XLA
-        # materialise the transposed matrix inside every step of the reverse scan.
-        # (A dense matrix with a block x0 takes `DenseRowsOperator` instead.)
-        return lambda y: lax.dot_general(self.matrix, y, (((0,), (0,)), ((), ())))
+    def transpose(self) -> AbstractOperator:
+        return DenseTransposeOperator(self.matrix)
 
-    def mm(self, xs: Shaped[Array, "k n *b"]) -> Shaped[Array, "k n *b"]:
+    def as_matrix(self) -> Array:
+        return self.matrix
+
+    def mm(self, xs: Shaped[Array, "k n ..."]) -> Shaped[Array, "k n ..."]:
         return jnp.einsum("nm,km...->kn...", self.matrix, xs)
 
     def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
         # sum_k ct_k x_k^T: contract the stack axis and any block axis in one GEMM.
-        axes = (0, *range(2, xs.ndim))
         # `out_sharding`: on an explicit mesh, a contraction over a sharded axis (a
         # sharded block of x0) must be told where the result lives: with the matrix.
+        axes = (0, *range(2, xs.ndim))
         grad = lax.dot_general(
             cts,
             xs,
@@ -131,10 +167,11 @@ class DenseOperator(AbstractOperator):
         )
         return _cotangent(DenseOperator(grad))
 
-    def add_param_vjp(self, acc: AbstractOperator, xs: Array, cts: Array):
+    def add_param_vjp(self, acc: AbstractOperator, stored, first, cts):
         if not _by_rows(self.matrix):
-            return super().add_param_vjp(acc, xs, cts)
-        axes = (0, *range(2, xs.ndim))
+            return super().add_param_vjp(acc, stored, first, cts)
+        axes = (0, *range(2, cts.ndim))
+        xs = lax.dynamic_slice_in_dim(stored, first, cts.shape[0])
 
         def product(start, size):
             rows = lax.dynamic_slice_in_dim(cts, start, size, axis=1)
@@ -144,16 +181,37 @@ class DenseOperator(AbstractOperator):
         return _cotangent(DenseOperator(_add_by_rows(acc.matrix, product)))
 
 
+class DenseTransposeOperator(AbstractOperator):
+    r"""$A^\top$ for a dense matrix $A$, kept as $A$.
+
+    `mv` contracts the matrix's first axis directly: `A.T @ y` would make XLA
+    materialise the transposed matrix (inside every step of a loop, or once as a
+    second `(n, n)` array outside it).
+    """
+
+    matrix: Inexact[Array, "n n"]
+
+    def mv(self, y: Shaped[Array, "n ..."]) -> Shaped[Array, "n ..."]:
+        return lax.dot_general(self.matrix, y, (((0,), (0,)), ((), ())))
+
+    def transpose(self) -> AbstractOperator:
+        return DenseOperator(self.matrix)
+
+    def as_matrix(self) -> Array:
+        return self.matrix.T
+
+
 class DenseRowsOperator(AbstractOperator):
     r"""A dense matrix $A$ applied to a block held as rows: $Z \mapsto Z A^\top$.
 
-    `krylov` uses it for a dense matrix and a block $x_0$ of shape `(n, b)`: the scan
-    runs on $Z = X^\top$ of shape `(b, n)`, so that the stacks of vectors and of
-    adjoints, `(k, b, n)`, are `(k b, n)` matrices as they lie in memory and the
-    gradient is one GEMM that reads them without copying. With the block as columns,
-    `(k, n, b)`, XLA copies both stacks into a GEMM layout first (1.5x plain scan's
-    temporary memory at b = 8), and $A^\top \Lambda$ for a block contracts $A$'s
-    first axis, several times slower per step on CPU than a plain product.
+    The scan uses it for a dense matrix and a block $x_0$ of shape `(n, b)` (see
+    `_scan.py`): it runs on $Z = X^\top$ of shape `(b, n)`, so that the stacks of
+    vectors and of adjoints, `(k, b, n)`, are `(k b, n)` matrices as they lie in
+    memory and the gradient is one GEMM that reads them without copying. With the
+    block as columns, `(k, n, b)`, XLA copies both stacks into a GEMM layout first
+    (1.5x plain scan's temporary memory at b = 8), and $A^\top \Lambda$ for a
+    block contracts $A$'s first axis, several times slower per step on CPU than a
+    plain product.
 
     It holds $A^\top$, formed once outside the scan, so that both the forward step
     $Z A^\top$ and the reverse step $\Lambda A$ are plain matrix products.
@@ -164,10 +222,12 @@ class DenseRowsOperator(AbstractOperator):
     def mv(self, z: Shaped[Array, "b n"]) -> Shaped[Array, "b n"]:
         return z @ self.transposed
 
-    def transpose(self, like: Array) -> Callable[[Array], Array]:
-        del like
-        matrix = self.transposed.T  # A itself: called once, outside the reverse scan
-        return lambda y: y @ matrix
+    def transpose(self) -> AbstractOperator:
+        # Forms A itself: called once, outside the reverse scan.
+        return DenseRowsOperator(self.transposed.T)
+
+    def as_matrix(self) -> Array:
+        return self.transposed.T
 
     def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
         # The cotangent of A^T for sum_k <ct_k, x_k A^T> is sum over the stack and
@@ -191,9 +251,10 @@ class DenseRowsOperator(AbstractOperator):
         )
         return _cotangent(DenseRowsOperator(grad))
 
-    def add_param_vjp(self, acc: AbstractOperator, xs: Array, cts: Array):
+    def add_param_vjp(self, acc: AbstractOperator, stored, first, cts):
         if not _by_rows(self.transposed):
-            return super().add_param_vjp(acc, xs, cts)
+            return super().add_param_vjp(acc, stored, first, cts)
+        xs = lax.dynamic_slice_in_dim(stored, first, cts.shape[0])
         n = xs.shape[-1]
         rows = math.prod(xs.shape[:-1])
         lhs, rhs = xs.reshape(rows, n), cts.reshape(rows, n)
@@ -214,10 +275,11 @@ class SparseOperator(AbstractOperator):
     def mv(self, x: Array) -> Array:
         return self.matrix @ x
 
-    def transpose(self, like: Array) -> Callable[[Array], Array]:
-        del like
-        transposed = self.matrix.transpose()
-        return lambda y: transposed @ y
+    def transpose(self) -> AbstractOperator:
+        return SparseOperator(self.matrix.transpose())
+
+    def as_matrix(self) -> Array:
+        return self.matrix.todense()
 
     def mm(self, xs: Array) -> Array:
         # (n, k*prod(b)) -> (n, k, *b) -> (k, n, *b). Reshaping the transposed
@@ -225,25 +287,14 @@ class SparseOperator(AbstractOperator):
         out = self.matrix @ _as_columns(xs)
         return jnp.moveaxis(out.reshape(xs.shape[1], xs.shape[0], *xs.shape[2:]), 0, 1)
 
-    def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
-        # One batched VJP with respect to the stored values: the sampled product
-        # data_j -> sum_k ct_k[row_j] x_k[col_j], for all k at once.
-        indices, shape = self.matrix.indices, self.matrix.shape
-
-        def apply(data):
-            return sparse.BCOO((data, indices), shape=shape) @ _as_columns(xs)
-
-        _, vjp = jax.vjp(apply, self.matrix.data)
-        (grad,) = vjp(_as_columns(cts))
-        return _cotangent(SparseOperator(sparse.BCOO((grad, indices), shape=shape)))
-
-    def add_param_vjp(self, acc: AbstractOperator, xs: Array, cts: Array):
+    def add_param_vjp(self, acc: AbstractOperator, stored, first, cts):
         # data_j += sum_k ct_k[row_j] . x_k[col_j], a block of stored entries at a
         # time: the gathered rows are (k, n / 4, *b), a quarter of a chunk of
         # vectors, never (k, nnz, *b) as the batched VJP of `param_vjp` would be.
         indices, shape = self.matrix.indices, self.matrix.shape
         block = max(1, shape[0] // 4)
-        axes = (0, *range(2, xs.ndim))
+        axes = (0, *range(2, cts.ndim))
+        xs = lax.dynamic_slice_in_dim(stored, first, cts.shape[0])
 
         def product(start, size):
             entries = lax.dynamic_slice_in_dim(indices, start, size)
@@ -256,50 +307,54 @@ class SparseOperator(AbstractOperator):
         return _cotangent(SparseOperator(sparse.BCOO((data, indices), shape=shape)))
 
 
-def _as_columns(xs: Shaped[Array, "k n *b"]) -> Shaped[Array, "n k*b"]:
+def _as_columns(xs: Shaped[Array, "k n ..."]) -> Shaped[Array, "n _"]:
     """Stack of k inputs (k, n, *b) -> one (n, k*prod(b)) matrix."""
     columns = xs.shape[0] * math.prod(xs.shape[2:])
     return jnp.moveaxis(xs, 0, 1).reshape(xs.shape[1], columns)
 
 
 class FunctionOperator(AbstractOperator):
-    """A linear callable, closure-converted so that its arrays are pytree leaves."""
+    """A linear callable, closure-converted so that its arrays are pytree leaves.
+
+    It keeps the structure of its input (`x0`'s shape and dtype), as lineax's
+    `FunctionLinearOperator` does, so that `transpose()` and `as_matrix()` need no
+    example input.
+    """
 
     fn: Callable
+    # `jax.typeof(x0)`: shape, dtype and, on a mesh, sharding.
+    in_structure: Any = eqx.field(static=True)
 
     def mv(self, x: Array) -> Array:
         return self.fn(x)
 
-    def transpose(self, like: Array) -> Callable[[Array], Array]:
-        # The operator is linear, so its VJP at any point is A^T. Linearise once, at
-        # zero, outside of any loop; the returned function is reused at every step.
-        out, vjp = jax.vjp(self.fn, jnp.zeros_like(like))
-        return lambda y: vjp(self._like(y, out))[0]
+    def transpose(self) -> AbstractOperator:
+        # The operator is linear, so its VJP at any point is A^T: linearise once, at
+        # zero. Call this outside of any loop and reuse the result at every step.
+        x = _zeros(self.in_structure)
+        out, vjp = jax.vjp(self.fn, x)
 
-    def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
-        diff, static = eqx.partition(self.fn, eqx.is_inexact_array)
+        def transposed(y):
+            return vjp(typed_like(y, out))[0]
 
-        def apply(diff):
-            return jax.vmap(eqx.combine(diff, static))(xs)
+        return FunctionOperator(
+            eqx.filter_closure_convert(transposed, x), self.in_structure
+        )
 
-        out, vjp = jax.vjp(apply, diff)
-        (grad,) = vjp(self._like(cts, out))
-        return _cotangent(FunctionOperator(grad))
+    def as_matrix(self) -> Array:
+        # Column j is A e_j for the j-th unit input, `x0` flattened.
+        shape, dtype = self.in_structure.shape, self.in_structure.dtype
+        size = math.prod(shape)
+        units = jnp.eye(size, dtype=dtype).reshape(size, *shape)
+        return jax.vmap(self.fn)(units).reshape(size, size).T
 
-    @staticmethod
-    def _like(ct: Array, out: Array) -> Array:
-        """`ct` with the sharding type of `out`; a no-op unless the mesh is `Explicit`.
 
-        A VJP takes cotangents typed exactly like the function's output. On an
-        explicit mesh the sharding is part of that type, and a callable's output need
-        not be sharded like its input: `lambda v: A @ v` with a row-sharded `A` gives
-        a row-sharded vector even for a replicated `v`, while the cotangents (the
-        adjoint vectors) keep `x0`'s sharding.
-        """
-        sharding = jax.typeof(out).sharding
-        if jax.typeof(ct).sharding == sharding:
-            return ct
-        return jax.sharding.reshard(ct, sharding)
+def _zeros(structure: Any) -> Array:
+    # Zeros of an abstract array's type, its sharding on an explicit mesh included.
+    zeros = jnp.zeros(structure.shape, structure.dtype)
+    if jax.typeof(zeros).sharding == structure.sharding:
+        return zeros
+    return jax.sharding.reshard(zeros, structure.sharding)
 
 
 class BatchedOperator(AbstractOperator):
@@ -316,9 +371,11 @@ class BatchedOperator(AbstractOperator):
     def mv(self, x: Array) -> Array:
         return jax.vmap(self.inner.mv)(x)
 
-    def transpose(self, like: Array) -> Callable[[Array], Array]:
-        transpose_mv = self.inner.transpose(like[0])
-        return jax.vmap(transpose_mv)
+    def transpose(self) -> AbstractOperator:
+        return BatchedOperator(self.inner.transpose())
+
+    def as_matrix(self) -> Array:
+        return self.inner.as_matrix()
 
     def mm(self, xs: Array) -> Array:
         return self.inner.mm(_merge(xs)).reshape(xs.shape)
@@ -328,9 +385,12 @@ class BatchedOperator(AbstractOperator):
             BatchedOperator(self.inner.param_vjp(_merge(xs), _merge(cts)))
         )
 
-    def add_param_vjp(self, acc: AbstractOperator, xs: Array, cts: Array):
+    def add_param_vjp(self, acc: AbstractOperator, stored, first, cts):
         assert isinstance(acc, BatchedOperator)
-        inner = self.inner.add_param_vjp(acc.inner, _merge(xs), _merge(cts))
+        batch = cts.shape[1]
+        inner = self.inner.add_param_vjp(
+            acc.inner, _merge(stored), first * batch, _merge(cts)
+        )
         return _cotangent(BatchedOperator(inner))
 
 
@@ -400,7 +460,7 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
             )
             raise TypeError(msg)
         check_linear(fn, x0, arg)
-        return FunctionOperator(fn), x0
+        return FunctionOperator(fn, jax.typeof(x0)), x0
     msg = (
         f"`{arg}` must be a square array, a `jax.experimental.sparse.BCOO` matrix or "
         f"a callable; got {_describe(A)}."

@@ -49,7 +49,13 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array
 
-from ._operator import AbstractOperator, BatchedOperator
+from ._operator import (
+    AbstractOperator,
+    BatchedOperator,
+    DenseOperator,
+    DenseRowsOperator,
+)
+from ._sequence import trajectory, with_first
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
 # How many adjoint (or tangent) vectors a derivative pass keeps at once.
@@ -57,19 +63,14 @@ CHUNK = 64
 
 
 def krylov_scan(operator: AbstractOperator, x0: Array, d: int) -> Array:
-    r"""$[x_0, A x_0, \dots, A^{d-1} x_0]$ stacked on a new first axis, by one scan."""
-    return jnp.concatenate([x0[None], krylov_tail(operator, x0, d - 1)])
+    r"""$[x_0, A x_0, \dots, A^{d-1} x_0]$ stacked on a new first axis, by one scan,
+    differentiated by JAX (`adjoint="autodiff"`)."""
+    return with_first(x0, krylov_tail(operator, x0, d - 1))
 
 
 def krylov_tail(operator: AbstractOperator, x0: Array, steps: int) -> Array:
     r"""$[A x_0, \dots, A^{s} x_0]$ for $s$ = `steps`, by one `lax.scan`."""
-
-    def step(x, _):
-        y = keep_sharding(operator.mv(x), x)
-        return y, y
-
-    _, tail = lax.scan(step, x0, length=steps)
-    return tail
+    return trajectory(lambda x: keep_sharding(operator.mv(x), x), x0, steps)
 
 
 # ----------------------------------------------------------------- reverse pass
@@ -114,7 +115,8 @@ def adjoint_chunks(
     `None`).
     """
     steps = tail.shape[0]
-    transpose_mv = operator.transpose(x0)
+    # Called once, outside the loops: a callable is linearised once.
+    transpose_mv = operator.transpose().mv
 
     def reverse(lam_next, g_rows):
         # The adjoint vectors of the rows of `g_rows`, last first; they are only
@@ -135,8 +137,7 @@ def adjoint_chunks(
         lam_next, lams = reverse(lam_next, g_rows)
         if want_operator:
             assert acc is not None and lams is not None
-            rows = lax.dynamic_slice_in_dim(tail, start - 1, size)
-            acc = operator.add_param_vjp(acc, rows, lams)
+            acc = operator.add_param_vjp(acc, tail, start - 1, lams)
         return lam_next, acc
 
     # Rows 1 .. steps - 1 pair with the stored vector one row up: `full` chunks
@@ -158,17 +159,15 @@ def adjoint_chunks(
     lam1 = keep_sharding(g_tail[0] + transpose_mv(lam_next), x0)
     if want_operator:
         assert grad is not None
-        grad = operator.add_param_vjp(grad, x0[None], lam1[None])
-    # The transpose that served every step serves x0 too (a callable is linearised
-    # once).
+        grad = operator.add_param_vjp(grad, x0[None], 0, lam1[None])
+    # The transpose that served every step serves x0 too.
     return keep_sharding(transpose_mv(lam1), x0), grad
 
 
 @eqx.filter_custom_vjp
 def krylov_tail_custom_vjp(vjp_arg: tuple[AbstractOperator, Array], d: int) -> Array:
-    # The rule covers x_1, ..., x_(d-1); `krylov_custom_vjp` puts x0 in front
-    # outside of it, so that XLA can fuse that concatenation into its consumers and
-    # JAX adds the cotangent of the first slot to the gradient of x0.
+    # The rule covers x_1, ..., x_(d-1); x0 goes in front outside of it (see
+    # `_sequence.py`).
     operator, x0 = vjp_arg
     return krylov_tail(operator, x0, d - 1)
 
@@ -195,9 +194,8 @@ def _krylov_bwd(tail, g_tail, perturbed, vjp_arg, d):
     return grad_operator, grad_x0
 
 
-def krylov_custom_vjp(operator: AbstractOperator, x0: Array, d: int) -> Array:
-    """`krylov_scan` with the reverse pass of `adjoint_chunks` as a `custom_vjp`."""
-    return jnp.concatenate([x0[None], krylov_tail_custom_vjp((operator, x0), d)])
+def _krylov_custom_vjp(operator: AbstractOperator, x0: Array, d: int) -> Array:
+    return with_first(x0, krylov_tail_custom_vjp((operator, x0), d))
 
 
 # ------------------------------------------------------------ forward mode
@@ -301,11 +299,11 @@ krylov_tangent = tangent_primitive(
 
 
 @eqx.filter_custom_jvp
-def krylov_custom_jvp(operator: AbstractOperator, x0: Array, *, d: int) -> Array:
+def _krylov_custom_jvp(operator: AbstractOperator, x0: Array, *, d: int) -> Array:
     return krylov_scan(operator, x0, d)
 
 
-@krylov_custom_jvp.def_jvp
+@_krylov_custom_jvp.def_jvp
 def _krylov_jvp(primals, tangents, *, d):
     operator, x0 = primals
     t_operator, t_x0 = tangents
@@ -314,9 +312,40 @@ def _krylov_jvp(primals, tangents, *, d):
     if t_operator is not None and not jtu.tree_leaves(t_operator):
         t_operator = None
     t_tail = krylov_tangent(operator, x0, tail, t_operator, t_x0)
-    # x0 goes in front outside the primitive, as for `krylov_custom_vjp`.
-    xs = jnp.concatenate([x0[None], tail])
-    return xs, jnp.concatenate([t_x0[None], t_tail])
+    return with_first(x0, tail), with_first(t_x0, t_tail)
+
+
+# ------------------------------------------------------------------ the builders
+#
+# What `krylov` dispatches to: one per derivative rule, all `(operator, x0, d)` ->
+# the stack `(d, *x0.shape)`.
+
+
+def _dense_block_as_rows(rule):
+    """`rule`, run on a block's transpose when `A` is dense and `x0` a block.
+
+    With `x0` of shape `(n, b)` and a dense `A`, the scan runs on `x0.T`, one vector
+    per row, through `DenseRowsOperator` (its docstring says why), and the stack
+    `(d, b, n)` is transposed back to `(d, n, b)`.
+    """
+
+    def build(operator: AbstractOperator, x0: Array, d: int) -> Array:
+        if isinstance(operator, DenseOperator) and x0.ndim == 2:
+            zs = rule(DenseRowsOperator(operator.matrix.T), x0.T, d)
+            return jnp.swapaxes(zs, 1, 2)
+        return rule(operator, x0, d)
+
+    return build
+
+
+def _custom_jvp(operator: AbstractOperator, x0: Array, d: int) -> Array:
+    return _krylov_custom_jvp(operator, x0, d=d)
+
+
+# The scan with one rule for forward and reverse mode (the default).
+krylov_custom_jvp = _dense_block_as_rows(_custom_jvp)
+# The scan with the same reverse pass as a `jax.custom_vjp` (reverse mode only).
+krylov_custom_vjp = _dense_block_as_rows(_krylov_custom_vjp)
 
 
 def keep_sharding(y: Array, like: Array) -> Array:
