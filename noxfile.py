@@ -15,6 +15,38 @@ def tests(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", *args)
 
 
+# The lower bounds of `[project] dependencies`, pinned together, and the oldest optax
+# that the test extra allows. Not in the default sessions (its own environment, as
+# slow as `tests`): run it when a bound or the JAX/equinox APIs used change, and
+# before a release.
+MIN_VERSIONS = [
+    "jax==0.7.2",
+    "jaxlib==0.7.2",
+    "equinox==0.13.1",
+    "jaxtyping==0.2.33",
+    "optax==0.2.4",
+]
+# Tests that need a newer jax than the library does: `jax.enable_x64` (jax 0.8.0)
+# and `str(PartitionSpec)` written as "P(...)" (jax 0.9.1).
+NEWER_JAX_TESTS = [
+    "tests/test_docstrings.py::test_docstring_examples",
+    "tests/test_docstrings.py::test_doc_page_examples",
+    "tests/test_inputs.py::test_integer_dtype_reported_as_given",
+    "tests/test_inputs.py::test_depth_beyond_int32_counter",
+    "tests/test_nn_inputs.py::test_default_dtype_follows_64_bit_mode",
+    "tests/test_sharding.py::test_auto_mesh_output_sharding",
+]
+
+
+@nox.session(python="3.11")
+def min_versions(session: nox.Session) -> None:
+    session.install("-e", ".[test]", *MIN_VERSIONS)
+    deselect = [f"--deselect={test}" for test in NEWER_JAX_TESTS]
+    # Two workers, as in `tests`; arguments after `--` replace them.
+    args = session.posargs or ["-n", "2"]
+    session.run("python", "-m", "pytest", *deselect, *args)
+
+
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     session.install("-e", ".[lint]")
