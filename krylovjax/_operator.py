@@ -46,6 +46,7 @@ from jaxtyping import Array, Inexact, Shaped
 
 from ._checks import check_bcoo_matrix, check_inexact
 from ._linearity import check_linear
+from ._sparse import add_sampled, spmv
 
 
 class AbstractOperator(eqx.Module):
@@ -268,43 +269,51 @@ class DenseRowsOperator(AbstractOperator):
 
 
 class SparseOperator(AbstractOperator):
-    """A two-dimensional `jax.experimental.sparse.BCOO` matrix."""
+    """A two-dimensional `jax.experimental.sparse.BCOO` matrix, or its transpose.
+
+    Products and the gradient of the stored values take the entries a chunk at a
+    time (`_sparse.py`), so their temporaries are bounded by a chunk rather than by
+    the number of stored entries times the width of `x0`.
+    """
 
     matrix: sparse.BCOO
+    # Whether this is the matrix's transpose (the indices are read the other way
+    # round, never copied).
+    transposed: bool = eqx.field(static=True, default=False)
 
     def mv(self, x: Array) -> Array:
-        return self.matrix @ x
+        n = self.matrix.shape[0]
+        sorted_rows = self.matrix.indices_sorted and not self.transposed
+        return spmv(
+            self.matrix.data, self.matrix.indices, x, n, self.transposed, sorted_rows
+        )
 
     def transpose(self) -> AbstractOperator:
-        return SparseOperator(self.matrix.transpose())
+        return SparseOperator(self.matrix, not self.transposed)
 
     def as_matrix(self) -> Array:
-        return self.matrix.todense()
+        dense = self.matrix.todense()
+        return dense.T if self.transposed else dense
 
     def mm(self, xs: Array) -> Array:
-        # (n, k*prod(b)) -> (n, k, *b) -> (k, n, *b). Reshaping the transposed
-        # product straight to xs.shape would mix the stack and block axes.
-        out = self.matrix @ _as_columns(xs)
+        # One product for the whole stack: (n, k*prod(b)) -> (n, k, *b) -> (k, n, *b).
+        # Reshaping the transposed product straight to xs.shape would mix the stack
+        # and block axes.
+        out = self.mv(_as_columns(xs))
         return jnp.moveaxis(out.reshape(xs.shape[1], xs.shape[0], *xs.shape[2:]), 0, 1)
 
     def add_param_vjp(self, acc: AbstractOperator, stored, first, cts):
-        # data_j += sum_k ct_k[row_j] . x_k[col_j], a block of stored entries at a
-        # time: the gathered rows are (k, n / 4, *b), a quarter of a chunk of
-        # vectors, never (k, nnz, *b) as the batched VJP of `param_vjp` would be.
-        indices, shape = self.matrix.indices, self.matrix.shape
-        block = max(1, shape[0] // 4)
-        axes = (0, *range(2, cts.ndim))
-        xs = lax.dynamic_slice_in_dim(stored, first, cts.shape[0])
-
-        def product(start, size):
-            entries = lax.dynamic_slice_in_dim(indices, start, size)
-            ct_rows = jnp.take(cts, entries[:, 0], axis=1)
-            x_cols = jnp.take(xs, entries[:, 1], axis=1)
-            return jnp.sum(ct_rows * x_cols, axis=axes)
-
+        # data_e += sum_k <ct_k[row_e], x_k[col_e]>, a chunk of entries at a time,
+        # reading the stored vectors in place.
         assert isinstance(acc, SparseOperator)
-        data = _add_by_rows(acc.matrix.data, product, block)
-        return _cotangent(SparseOperator(sparse.BCOO((data, indices), shape=shape)))
+        indices, shape = self.matrix.indices, self.matrix.shape
+        data = add_sampled(
+            acc.matrix.data, indices, self.transposed, cts, stored, first
+        )
+        grad = SparseOperator(
+            sparse.BCOO((data, indices), shape=shape), self.transposed
+        )
+        return _cotangent(grad)
 
 
 def _as_columns(xs: Shaped[Array, "k n ..."]) -> Shaped[Array, "n _"]:

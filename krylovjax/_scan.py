@@ -58,8 +58,17 @@ from ._operator import (
 from ._sequence import trajectory, with_first
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
-# How many adjoint (or tangent) vectors a derivative pass keeps at once.
+# How many adjoint (or tangent) vectors a derivative pass keeps at once: `CHUNK`,
+# but no more than `CHUNK_ELEMENTS` numbers, so that a chunk of very wide vectors
+# (the node features of a large graph) holds few of them.
 CHUNK = 64
+CHUNK_ELEMENTS = 2**22
+# Up to this many steps, the reverse pass runs its chunks without a loop.
+UNROLLED_STEPS = 16
+
+
+def _chunk_steps(x0: Array) -> int:
+    return max(1, min(CHUNK, CHUNK_ELEMENTS // max(1, x0.size)))
 
 
 def krylov_scan(operator: AbstractOperator, x0: Array, d: int) -> Array:
@@ -102,7 +111,7 @@ def adjoint_chunks(
     tail: Array,
     g_tail: Array,
     want_operator: bool,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> tuple[Array, AbstractOperator | None]:
     r"""The reverse pass over the computed vectors $x_1, \dots, x_{d-1}$.
 
@@ -142,12 +151,18 @@ def adjoint_chunks(
 
     # Rows 1 .. steps - 1 pair with the stored vector one row up: `full` chunks
     # of `size` rows and `rest` rows at the end, which go first.
-    size, full, rest = _chunks(steps, chunk)
+    size, full, rest = _chunks(steps, chunk or _chunk_steps(x0))
     lam_next = jnp.zeros_like(x0)
     grad = _inexact_zeros(operator) if want_operator else None
     if rest:
         lam_next, grad = pairs(steps - rest, rest, lam_next, grad)
-    if full:
+    if full * size <= UNROLLED_STEPS:
+        # A few steps of wide vectors (a graph filter): chunks in Python, whose
+        # static slices of the cotangent XLA fuses with a broadcast cotangent; a
+        # loop would take the whole cotangent, materialised, as its operand.
+        for c in reversed(range(full)):
+            lam_next, grad = pairs(1 + c * size, size, lam_next, grad)
+    else:
 
         def chunk_step(carry, c):
             return pairs(1 + c * size, size, *carry), None
@@ -207,7 +222,7 @@ def tangent_chunks(
     tail: Array,
     t_operator: AbstractOperator | None,
     t_x0: Array,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> Array:
     r"""The tangents $\dot x_{k+1} = A \dot x_k + \dot A x_k$ of the tail.
 
@@ -234,7 +249,7 @@ def tangent_chunks(
     # Step 0 uses x0; steps 1 .. steps - 1 use the tail one row up.
     t, first = forward(t_x0, x0[None])
     parts = [first]
-    size, full, rest = _chunks(steps, chunk)
+    size, full, rest = _chunks(steps, chunk or _chunk_steps(x0))
     if full:
 
         def chunk_step(t, c):
