@@ -1,5 +1,11 @@
 """BCOO matrices at any shape of pattern: the chunked sparse path against dense."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,3 +134,22 @@ def test_memory_is_bounded_by_a_chunk_not_by_the_entries():
         # The stack and its cotangent, a few vectors and a few chunks of 4 MB: less
         # than half of one gather.
         assert temp < 4 * D * vector + 4 * 2**22 < gathered / 2, (temp, gathered)
+
+
+def test_row_partitioned_graph_matches_one_device():
+    # Node features sharded by rows over four host devices (an `Auto` mesh); see
+    # `_graph_sharding_script.py`.
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    script = pathlib.Path(__file__).with_name("_graph_sharding_script.py")
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert record["devices"] == 4
+    assert max(record["errors"]) < 1e-13, record
