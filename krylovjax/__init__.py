@@ -5,7 +5,8 @@ import importlib.metadata
 from . import nn as nn
 from ._iterate import iterate as iterate
 from ._krylov import auto_method as auto_method, krylov as krylov
+from ._typing import OperatorLike as OperatorLike, StaticInt as StaticInt
 
-__all__ = ["auto_method", "iterate", "krylov", "nn"]
+__all__ = ["OperatorLike", "StaticInt", "auto_method", "iterate", "krylov", "nn"]
 
 __version__ = importlib.metadata.version("krylovjax")

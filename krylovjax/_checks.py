@@ -193,11 +193,26 @@ def check_dtype(dtype: Any, arg: str, *, allow_complex: bool = True) -> np.dtype
     return resolved
 
 
+def standard_result_type(*args: Any) -> np.dtype:
+    """`jnp.result_type(*args)` under JAX's standard promotion rules, weak types
+    included.
+
+    The promotions that krylovjax documents (a matrix `A` with `x0` in `krylov`, a
+    layer's input with the layer's dtype) are part of its API and are made
+    explicitly, by these rules, whatever `jax_numpy_dtype_promotion` is set to: under
+    `"strict"`, which forbids implicit promotions, they still happen. krylovjax makes
+    no implicit promotion of its own.
+    """
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.result_type(*args)
+
+
 def as_input(x: Any, arg: str, dtype: Any | None) -> Array:
     """Convert a layer's array-like input to a JAX array promoted with `dtype`.
 
     `dtype` is the layer's parameter dtype. The result has dtype
-    `jnp.promote_types(x.dtype, dtype)`, JAX's usual promotion, the same as
+    `jnp.promote_types(x.dtype, dtype)`, JAX's standard promotion (also under
+    `jax_numpy_dtype_promotion="strict"`, see `standard_result_type`), the same as
     `equinox.nn.Linear` applies through its matrix product: integer and boolean
     inputs become the layer's dtype (so they give the same output as the float
     input), and a wider floating or complex input keeps its width. With
@@ -217,7 +232,7 @@ def as_input(x: Any, arg: str, dtype: Any | None) -> Array:
         msg = f"`{arg}` must have a numeric or boolean dtype; got dtype {x.dtype}."
         raise TypeError(msg)
     if dtype is not None:
-        return x.astype(jnp.promote_types(x.dtype, dtype))
+        return x.astype(standard_result_type(x.dtype, dtype))
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return x
     return x.astype(default_float_dtype())

@@ -24,6 +24,7 @@ rule is `adjoint_states` above (what `jax.grad` runs). `adjoint="custom_vjp"` is
 same reverse pass as a `jax.custom_vjp`, reverse mode only.
 """
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -35,14 +36,15 @@ from jax import lax
 from ._checks import as_array, check_choice, check_depth, check_output_size
 from ._sequence import ADJOINTS, Adjoint, trajectory, with_first
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
+from ._typing import StaticInt
 
 _State = TypeVar("_State")
 
 
 def iterate(
-    step: Any,
+    step: Callable[[_State], _State],
     x0: _State,
-    d: int,
+    d: StaticInt,
     *,
     adjoint: Adjoint = "custom_jvp",
 ) -> _State:

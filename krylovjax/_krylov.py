@@ -10,9 +10,10 @@ rules and any layout trick of its own; adding one means a module and rows here.
 """
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Inexact
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
@@ -20,6 +21,7 @@ from ._doubling import choose_method, krylov_doubling, krylov_doubling_custom_vj
 from ._operator import AbstractOperator, as_operator
 from ._scan import krylov_custom_jvp, krylov_custom_vjp, krylov_scan
 from ._sequence import ADJOINTS, Adjoint
+from ._typing import OperatorLike, StaticInt
 
 LAYOUTS = ("columns", "rows")
 METHODS = ("auto", "scan", "doubling")
@@ -37,9 +39,9 @@ DEFAULT_ADJOINT: dict[str, str] = {"scan": "custom_jvp", "doubling": "custom_vjp
 
 
 def krylov(
-    A: Any,
-    x0: Inexact[Array, "n ..."],
-    d: int,
+    A: OperatorLike,
+    x0: Inexact[Array | np.ndarray, "n ..."],
+    d: StaticInt,
     *,
     layout: Literal["columns", "rows"] = "columns",
     adjoint: Adjoint | None = None,
@@ -71,7 +73,12 @@ def krylov(
         `(n, b)`. For a callable `A`, any shape with at least one axis. Must be
         floating point or complex: integer and boolean arrays raise a `TypeError`
         rather than being promoted. With a matrix `A`, `A` and `x0` are promoted to
-        their common dtype.
+        their common dtype, `jax.numpy.result_type(A, x0)` by JAX's standard rules
+        (weak types included). This promotion is part of `krylov` and is made
+        explicitly, so it happens also under
+        `jax.config.update("jax_numpy_dtype_promotion", "strict")`, which forbids
+        implicit ones (as it does in `A @ x0`); a callable `A` is your code, and runs
+        under your setting.
     - `d`: the number of vectors, a static Python `int >= 1` (so $d - 1$
         applications of $A$). `d = 1` returns `x0` with the new axis.
     - `layout`: where the new axis of length `d` goes. `"columns"` (default, the
@@ -160,7 +167,9 @@ def krylov(
     return xs if layout == "rows" else jnp.moveaxis(xs, 0, 1)
 
 
-def auto_method(A: Any, x0: Inexact[Array, "n ..."], d: int) -> str:
+def auto_method(
+    A: OperatorLike, x0: Inexact[Array | np.ndarray, "n ..."], d: StaticInt
+) -> Literal["scan", "doubling"]:
     r"""The method that `krylov(A, x0, d, method="auto")` would use: `"scan"` or
     `"doubling"`.
 

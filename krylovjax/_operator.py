@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import sparse
 from jaxtyping import Array, Inexact, Shaped
 
-from ._checks import check_bcoo_matrix, check_inexact
+from ._checks import check_bcoo_matrix, check_inexact, standard_result_type
 from ._linearity import check_linear
 from ._sparse import add_sampled, spmv
 
@@ -419,10 +419,12 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
     """Validate `A` against `x0` and return `(operator, x0)` in the internal form.
 
     For a matrix `A` (dense or BCOO) the dtypes of `A` and `x0` are promoted to their
-    common type (`jnp.result_type`), so a complex matrix with a real `x0` gives a
-    complex Krylov matrix; weak types count as in JAX's own `A @ x0` (a weakly typed
-    `x0` takes the matrix's dtype). A callable must itself return `x0`'s shape and
-    dtype, and be linear: nonlinear and affine maps raise a `TypeError`.
+    common type (`jnp.result_type` under JAX's standard rules, also when the caller
+    has set `jax_numpy_dtype_promotion="strict"`), so a complex matrix with a real
+    `x0` gives a complex Krylov matrix; weak types count as in JAX's own `A @ x0` (a
+    weakly typed `x0` takes the matrix's dtype). A callable must itself return
+    `x0`'s shape and dtype, and be linear: nonlinear and affine maps raise a
+    `TypeError`.
     """
     arg = f"{fn_name}(A=...)"
     hint = _unsupported(A)
@@ -436,7 +438,7 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
         _check_matrix_shape(A.shape, x0, fn_name)
         check_bcoo_matrix(A, arg)
         check_inexact(A.data, arg)
-        dtype = jnp.result_type(A.data, x0)
+        dtype = standard_result_type(A.data, x0)
         data = A.data.astype(dtype)
         matrix = sparse.BCOO((data, A.indices), shape=A.shape)
         return SparseOperator(matrix), x0.astype(dtype)
@@ -445,7 +447,7 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
         # Before `jnp.asarray`, which turns int64 into int32 when x64 is disabled.
         check_inexact(A, arg)
         A = jnp.asarray(A)
-        dtype = jnp.result_type(A, x0)
+        dtype = standard_result_type(A, x0)
         return DenseOperator(A.astype(dtype)), x0.astype(dtype)
     if callable(A):
         fn = eqx.filter_closure_convert(A, x0)

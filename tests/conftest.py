@@ -1,9 +1,20 @@
-"""Test configuration: float64 for gradient checks, modest hypothesis profile."""
+"""Test configuration: float64 for gradient checks, strict dtype and rank promotion
+(as lineax's tests), a modest hypothesis profile.
+
+Under strict promotion JAX refuses implicit promotions (`float32 + float64`, an
+integer array with a Python float) and implicit rank promotion (`(n, m) + (m,)`), so
+the library is tested to make none of its own: every cast and broadcast in it is
+explicit, and its documented promotions (a matrix `A` with `x0` in `krylov`, the
+layers' inputs with their dtype) are made by JAX's standard rules whatever the
+caller's setting. The tests make their own mixed-dtype operations explicit too.
+"""
 
 import jax
 from hypothesis import settings
 
 jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 settings.register_profile("krylovjax", max_examples=20, deadline=None)
 settings.load_profile("krylovjax")

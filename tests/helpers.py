@@ -4,16 +4,21 @@ The references are written independently of the library: a plain Python loop and
 plain `lax.scan`, both differentiated by JAX's own rules.
 """
 
+import contextlib
 import itertools
+import re
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jaxtyping
 import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import sparse
+
+import krylovjax
 
 METHODS = ("scan", "doubling")
 ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
@@ -61,7 +66,10 @@ def random_array(key, shape, dtype):
         kr, ki = jr.split(key)
         re = jr.normal(kr, shape, real)
         im = jr.normal(ki, shape, real)
-        return ((re + 1j * im) / np.sqrt(2)).astype(dtype)
+        # Scaled in complex128, then rounded: explicitly what `(re + 1j * im) /
+        # np.sqrt(2)` promoted to, so the draws are the same bits as ever.
+        z = jax.lax.complex(re, im).astype(jnp.complex128)
+        return (z / jnp.asarray(np.sqrt(2), jnp.complex128)).astype(dtype)
     return jr.normal(key, shape, dtype)
 
 
@@ -268,3 +276,73 @@ def vjps(fs, args, key):
         return results
 
     return run(args, ct)
+
+
+# ------------------------------------------------------- runtime type checking
+
+# The suite runs with jaxtyping's import hook on the package
+# (`--jaxtyping-packages=krylovjax,beartype.beartype` in pyproject's addopts): every
+# function and method of krylovjax checks its arguments and return value against its
+# annotations, dtypes and shapes included. `python -m pytest --jaxtyping-packages=`
+# (an empty list) runs without it.
+RUNTIME_CHECKED = hasattr(krylovjax.krylov, "__wrapped__")
+
+
+def unchecked(fn):
+    """`fn` for a call whose arguments lie outside its annotations on purpose.
+
+    krylovjax validates its arguments itself, for the usual caller who runs no type
+    checker, and the error tests assert those messages (`krylov(method=...)` must be
+    one of ..., a float `d`, an integer `x0`, a list where an array belongs). Under
+    the runtime checker such a call is rejected before krylovjax's own check runs.
+    Three ways to keep both tested were weighed:
+
+    - `inspect.unwrap(fn)`: strips the wrapper of a plain function, but not the
+      `__init__` that jaxtyping wraps on an Equinox module class, nor a module's
+      `__call__`;
+    - a marker that skips these tests under the hook: they would then assert
+      nothing in the normal run;
+    - this helper, chosen: it makes the call twice. Under the hook, first as it
+      stands, asserting that the checker rejects it with a `TypeCheckError` about
+      the parameters of `fn` itself (so the input really is outside the annotation,
+      and an annotation narrower than what krylovjax accepts fails here rather than
+      being hidden); then with jaxtyping's checks switched off for the duration of
+      the call (`jaxtyping.config`'s `jaxtyping_disable`, which every checked
+      wrapper reads when called), returning or raising what krylovjax itself does.
+      Without the hook only the second call is made.
+
+    So every such test asserts krylovjax's own message in both runs, and the hooked
+    run also asserts that the annotation rejects the input. `fn` may be a function,
+    a bound method, an Equinox module class (the call constructs it) or a module
+    instance (the call is its `__call__`). Use it only for arguments outside the
+    annotations: for one inside them the first assertion fails.
+    """
+
+    def call(*args, **kwargs):
+        if RUNTIME_CHECKED:
+            where = re.escape(f"checking the parameters of {_checked_name(fn)}.")
+            with pytest.raises(jaxtyping.TypeCheckError, match=where):
+                fn(*args, **kwargs)
+        with _checks_off():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _checked_name(fn):
+    """The name under which jaxtyping reports a failed check of `fn`'s arguments."""
+    if isinstance(fn, type):
+        return f"{fn.__module__}.{fn.__qualname__}.__init__"
+    if hasattr(fn, "__qualname__"):
+        return f"{fn.__module__}.{fn.__qualname__}"
+    return f"{type(fn).__module__}.{type(fn).__qualname__}.__call__"
+
+
+@contextlib.contextmanager
+def _checks_off():
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)

@@ -13,6 +13,7 @@ import pathlib
 import pkgutil
 import re
 import types
+import typing
 
 import jax
 import pytest
@@ -45,17 +46,26 @@ def _module_names() -> list[str]:
     return names
 
 
-def _exported() -> dict[str, object]:
-    """Every public name of `krylovjax` and `krylovjax.nn` except subpackages."""
-    packages = [krylovjax]
+def _packages() -> list[types.ModuleType]:
     nn = _nn_package()
-    if nn is not None:
-        packages.append(nn)
+    return [krylovjax] if nn is None else [krylovjax, nn]
+
+
+def _is_type_alias(obj: object) -> bool:
+    # `OperatorLike` and the like: a `Union` object at run time, with neither a home
+    # module nor a docstring of its own.
+    return typing.get_origin(obj) is not None
+
+
+def _exported() -> dict[str, object]:
+    """Every public name of `krylovjax` and `krylovjax.nn` except subpackages and
+    type aliases."""
     return {
         f"{package.__name__}.{name}": getattr(package, name)
-        for package in packages
+        for package in _packages()
         for name in package.__all__
         if not isinstance(getattr(package, name), types.ModuleType)
+        and not _is_type_alias(getattr(package, name))
     }
 
 
@@ -82,6 +92,20 @@ def test_every_public_name_lives_in_a_tested_module() -> None:
     homes = {name: obj.__module__ for name, obj in _exported().items()}
     untested = {name: home for name, home in homes.items() if home not in names}
     assert not untested, untested
+
+
+def test_every_public_type_alias_is_documented() -> None:
+    # Their docstrings exist only in the source, for the API pages to render.
+    pages = "".join(path.read_text() for path in (DOCS / "api").glob("*.md"))
+    aliases = [
+        f"{package.__name__}.{name}"
+        for package in _packages()
+        for name in package.__all__
+        if _is_type_alias(getattr(package, name))
+    ]
+    assert aliases
+    missing = [name for name in aliases if f"::: {name}\n" not in pages]
+    assert not missing, missing
 
 
 @pytest.mark.parametrize("module_name", _module_names())

@@ -1,4 +1,9 @@
-"""Every bad input raises a `TypeError` or `ValueError` that names the argument."""
+"""Every bad input raises a `TypeError` or `ValueError` that names the argument.
+
+Most bad inputs lie outside the annotations too; those calls go through
+`helpers.unchecked`, which under the runtime type checker also asserts that the
+checker rejects them (see its docstring).
+"""
 
 import re
 
@@ -6,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import MATRIX_KINDS, METHODS, make_operator
+from helpers import MATRIX_KINDS, METHODS, make_operator, unchecked
 from jax.experimental import sparse
 
 import krylovjax
@@ -23,6 +28,11 @@ def _krylov(method, A=A, x0=X0, d=3, **kwargs):
     return krylovjax.krylov(A, x0, d, method=method, **kwargs)
 
 
+def _krylov_unchecked(method, A=A, x0=X0, d=3, **kwargs):
+    """`_krylov` for arguments outside `krylov`'s annotations."""
+    return unchecked(krylovjax.krylov)(A, x0, d, method=method, **kwargs)
+
+
 # ----------------------------------------------------------------- krylov: A, x0
 
 
@@ -31,14 +41,14 @@ def _krylov(method, A=A, x0=X0, d=3, **kwargs):
 def test_krylov_non_square_matrix(method, shape):
     bad = jnp.ones(shape)
     with pytest.raises(ValueError, match=_m("`krylov(A=...)` must be a square matrix")):
-        _krylov(method, A=bad)
+        _krylov_unchecked(method, A=bad)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_krylov_non_square_bcoo(method):
     bad = sparse.BCOO.fromdense(jnp.ones((3, 4)))
     with pytest.raises(ValueError, match=_m("got shape (3, 4)")):
-        _krylov(method, A=bad)
+        _krylov_unchecked(method, A=bad)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -53,7 +63,7 @@ def test_krylov_batched_bcoo(method):
 def test_krylov_x0_first_axis_mismatch(method, shape):
     msg = f"`krylov(x0=...)` must have first axis of length 3 to match `A` of shape (3, 3); got shape {shape}"  # noqa: E501
     with pytest.raises(ValueError, match=_m(msg)):
-        _krylov(method, x0=jnp.ones(shape))
+        _krylov_unchecked(method, x0=jnp.ones(shape))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -67,7 +77,7 @@ def test_krylov_x0_too_many_axes_for_matrix(method, matrix):
 @pytest.mark.parametrize("method", METHODS)
 def test_krylov_scalar_x0(method):
     with pytest.raises(ValueError, match=_m("`krylov(x0=...)` must have at least one")):
-        _krylov(method, A=lambda x: x, x0=jnp.array(1.0))
+        _krylov_unchecked(method, A=lambda x: x, x0=jnp.array(1.0))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -84,20 +94,20 @@ def test_krylov_scalar_x0(method):
 def test_krylov_integer_and_bool_arrays(method, which, value):
     msg = f"`krylov({which}=...)` must have a floating-point or complex dtype"
     with pytest.raises(TypeError, match=_m(msg)):
-        _krylov(method, **{which: value})
+        _krylov_unchecked(method, **{which: value})
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("bad", ["not an operator", None, 3.0])
 def test_krylov_operator_of_wrong_type(method, bad):
     with pytest.raises(TypeError, match=_m("`krylov(A=...)` must be a square array")):
-        _krylov(method, A=bad)
+        _krylov_unchecked(method, A=bad)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_krylov_x0_not_an_array(method):
     with pytest.raises(TypeError, match=_m("`krylov(x0=...)` must be an array")):
-        _krylov(method, x0=[1.0, 2.0, 3.0])
+        _krylov_unchecked(method, x0=[1.0, 2.0, 3.0])
 
 
 # ------------------------------------------------------------ krylov: callables
@@ -132,10 +142,17 @@ def test_depth_not_positive(fn, d):
 
 
 @pytest.mark.parametrize("fn", ["krylov", "iterate"])
-@pytest.mark.parametrize("d", [3.0, True, "3", None, jnp.array([3])])
+@pytest.mark.parametrize("d", [3.0, "3", None, jnp.array([3])])
 def test_depth_not_an_int(fn, d):
     with pytest.raises(TypeError, match=_m(f"`{fn}(d=...)` must be a Python int")):
-        _call(fn, d)
+        _call(fn, d, wrap=unchecked)
+
+
+@pytest.mark.parametrize("fn", ["krylov", "iterate"])
+def test_depth_bool(fn):
+    # Within the annotation (`bool` is a subclass of `int`), but not a count.
+    with pytest.raises(TypeError, match=_m(f"`{fn}(d=...)` must be a Python int")):
+        _call(fn, True)
 
 
 @pytest.mark.parametrize("fn", ["krylov", "iterate"])
@@ -150,10 +167,10 @@ def test_depth_integer_scalars_accepted(fn, d):
     assert _call(fn, d).shape == (3, 3)
 
 
-def _call(fn, d):
+def _call(fn, d, wrap=lambda f: f):
     if fn == "krylov":
-        return krylovjax.krylov(A, X0, d, method=METHODS[0])
-    return krylovjax.iterate(jnp.sin, X0, d)
+        return wrap(krylovjax.krylov)(A, X0, d, method=METHODS[0])
+    return wrap(krylovjax.iterate)(jnp.sin, X0, d)
 
 
 # -------------------------------------------------------------- krylov: options
@@ -166,7 +183,7 @@ def _call(fn, d):
 )
 def test_krylov_unknown_option(method, option, value):
     with pytest.raises(ValueError, match=_m(f"`krylov({option}=...)` must be one of")):
-        _krylov(method, **{option: value})
+        _krylov_unchecked(method, **{option: value})
 
 
 @pytest.mark.parametrize("kind", MATRIX_KINDS)
@@ -180,7 +197,7 @@ def test_krylov_doubling_with_custom_jvp(kind):
 @pytest.mark.parametrize("value", ["lanczos", "SCAN", None])
 def test_krylov_unknown_method(value):
     with pytest.raises(ValueError, match=_m("`krylov(method=...)` must be one of")):
-        krylovjax.krylov(A, X0, 3, method=value)
+        unchecked(krylovjax.krylov)(A, X0, 3, method=value)
 
 
 # ---------------------------------------------------------------------- iterate
@@ -213,7 +230,7 @@ def test_iterate_state_leaf_not_an_array():
 
 def test_iterate_step_not_callable():
     with pytest.raises(TypeError, match=_m("`iterate(step=...)` must be callable")):
-        krylovjax.iterate(jnp.ones(3), X0, 3)
+        unchecked(krylovjax.iterate)(jnp.ones(3), X0, 3)
 
 
 @pytest.mark.parametrize(
@@ -252,4 +269,4 @@ def test_iterate_step_changes_dtype():
 @pytest.mark.parametrize("value", ["reverse", "custom", None])
 def test_iterate_unknown_adjoint(value):
     with pytest.raises(ValueError, match=_m("`iterate(adjoint=...)` must be one of")):
-        krylovjax.iterate(jnp.sin, X0, 3, adjoint=value)
+        unchecked(krylovjax.iterate)(jnp.sin, X0, 3, adjoint=value)

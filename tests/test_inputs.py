@@ -13,7 +13,15 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import METHODS, Linear, MatVec, assert_trees_close, krylov_loop, tol
+from helpers import (
+    METHODS,
+    Linear,
+    MatVec,
+    assert_trees_close,
+    krylov_loop,
+    tol,
+    unchecked,
+)
 from jax.experimental import sparse
 
 import krylovjax
@@ -44,7 +52,7 @@ def test_krylov_scipy_sparse_matrix(method, kind):
         f"with `jax.experimental.sparse.BCOO.from_scipy_sparse(A)`."
     )
     with pytest.raises(TypeError, match=_m(msg)):
-        krylovjax.krylov(bad, X0, 3, method=method)
+        unchecked(krylovjax.krylov)(bad, X0, 3, method=method)
     # The conversion the message suggests works.
     out = krylovjax.krylov(sparse.BCOO.from_scipy_sparse(bad), X0, 3, method=method)
     np.testing.assert_allclose(out, krylov_loop(lambda x: A @ x, X0, 3))
@@ -55,7 +63,7 @@ def test_krylov_bcsr_matrix(method):
     bad = sparse.BCSR.fromdense(A)
     msg = "got a `jax.experimental.sparse.BCSR` matrix. Convert it with `A.to_bcoo()`."
     with pytest.raises(TypeError, match=_m(msg)):
-        krylovjax.krylov(bad, X0, 3, method=method)
+        unchecked(krylovjax.krylov)(bad, X0, 3, method=method)
     out = krylovjax.krylov(bad.to_bcoo(), X0, 3, method=method)
     np.testing.assert_allclose(out, krylov_loop(lambda x: A @ x, X0, 3))
 
@@ -85,7 +93,7 @@ def test_krylov_unknown_object_with_shape_and_dtype():
     bad = jax.ShapeDtypeStruct((3, 3), jnp.float32)
     msg = "got an object of type ShapeDtypeStruct with shape (3, 3) and dtype float32."
     with pytest.raises(TypeError, match=_m(msg)):
-        krylovjax.krylov(bad, X0, 3)
+        unchecked(krylovjax.krylov)(bad, X0, 3)
 
 
 # ------------------------------------------------------ dtypes as they came in
@@ -111,7 +119,8 @@ def test_integer_dtype_reported_as_given(fn, which, value):
             krylovjax.iterate(lambda s: s, (jnp.ones(2), value), 3)
         else:
             kwargs = {"A": A, "x0": X0, which: value}
-            jax.jit(lambda: krylovjax.krylov(kwargs["A"], kwargs["x0"], 3))()
+            krylov = unchecked(krylovjax.krylov)
+            jax.jit(lambda: krylov(kwargs["A"], kwargs["x0"], 3))()
 
 
 # ------------------------------------------------------------ outputs too large
@@ -199,7 +208,7 @@ LINEAR = {
     "module": Linear(M),
     "method": MatVec(M, jnp.asarray(0.25)).mv,
     "einsum": lambda x: jnp.einsum("ij,j->i", M, x),
-    "fft": lambda x: jnp.fft.ifft(jnp.fft.fft(x) * jnp.arange(3)).real,
+    "fft": lambda x: jnp.fft.ifft(jnp.fft.fft(x) * jnp.arange(3, dtype=complex)).real,
     "where_zero": lambda x: jnp.where(MASK, x, 0.0),
     "set_zero": lambda x: x.at[0].set(0.0),
     "pad_zero": lambda x: jnp.pad(x, 1)[1:-1] + jnp.roll(x, 1),
@@ -301,7 +310,7 @@ def test_iterate_none_in_state_grad(container):
 
         xs = krylovjax.iterate(step, wrap(a), 4, adjoint=adjoint)
         assert unwrap(xs).shape == (4, 3)
-        return jnp.sum(jnp.cos(jnp.arange(3) * unwrap(xs)))
+        return jnp.sum(jnp.cos(jnp.arange(3.0)[None] * unwrap(xs)))
 
     a = jnp.array([0.3, -0.2, 0.9])
     got = jax.grad(loss, argnums=(0, 1))(w, a, "custom_vjp")
@@ -343,3 +352,37 @@ def test_krylov_weak_matrix_takes_x0_dtype(method):
     x0 = X0.astype(jnp.float16)
     out = krylovjax.krylov(weak, x0, 3, method=method)
     assert out.dtype == (weak @ x0).dtype == jnp.float16
+
+
+# ------------------------------------------------ promotion under strict mode
+
+# conftest.py runs the suite with `jax_numpy_dtype_promotion="strict"`, which forbids
+# implicit promotions. `krylov`'s promotion of a matrix with `x0` is part of its API
+# and made explicitly, by JAX's standard rules, so it is the same under both modes.
+PROMOTIONS = [
+    (jnp.float32, jnp.float64),
+    (jnp.float64, jnp.float32),
+    (jnp.float16, jnp.float32),
+    (jnp.complex64, jnp.float32),
+    (jnp.float32, jnp.complex128),
+]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("matrix", ["dense", "bcoo"])
+@pytest.mark.parametrize(("a_dtype", "x_dtype"), PROMOTIONS)
+def test_krylov_promotes_by_standard_rules_under_strict(
+    method, matrix, a_dtype, x_dtype
+):
+    assert jax.config.jax_numpy_dtype_promotion == "strict"
+    dense, x0 = M.astype(a_dtype), X0.astype(x_dtype)
+    op = dense if matrix == "dense" else sparse.BCOO.fromdense(dense)
+    # JAX's own product refuses the implicit promotion (a `TypePromotionError`,
+    # public as `jax.dtypes.TypePromotionError` only in newer JAX).
+    with pytest.raises(ValueError, match="no available implicit dtype promotion"):
+        dense @ x0
+    out = krylovjax.krylov(op, x0, 4, method=method)
+    with jax.numpy_dtype_promotion("standard"):
+        expected = krylovjax.krylov(op, x0, 4, method=method)
+        assert out.dtype == expected.dtype == jnp.result_type(dense, x0)
+    np.testing.assert_array_equal(out, expected)

@@ -36,7 +36,7 @@ class Coupled(eqx.Module):
 
     def __call__(self, state):
         x, y = state["x"], state["y"]
-        return {"x": jnp.sin(self.w @ x + y[0]), "y": jnp.tanh(self.v * y * x)}
+        return {"x": jnp.sin(self.w @ x + y[0]), "y": jnp.tanh(self.v * y * x[None])}
 
 
 def _coupled(dtype, seed=0):

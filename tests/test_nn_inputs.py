@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from helpers import unchecked
 from jax.experimental import sparse
 
 from krylovjax.nn import (
@@ -58,8 +59,15 @@ def _call(kind, layer, inputs):
     """Call `layer` on `inputs`; a graph_bcoo adjacency is made BCOO first."""
     inputs = dict(inputs)
     if kind == "graph_bcoo":
-        inputs["adjacency"] = sparse.BCOO.fromdense(jnp.asarray(inputs["adjacency"]))
+        inputs["adjacency"] = _bcoo(inputs["adjacency"])
     return layer(**inputs)
+
+
+def _bcoo(dense):
+    # `BCOO.fromdense` compares the matrix with a Python 0, a promotion that strict
+    # mode (conftest.py) refuses for a boolean matrix: JAX's, not krylovjax's.
+    with jax.numpy_dtype_promotion("standard"):
+        return sparse.BCOO.fromdense(jnp.asarray(dense))
 
 
 def _cast(inputs, dtype):
@@ -102,7 +110,7 @@ def test_state_space_integer_input_keeps_the_convolution():
     layer = _layer("state_space")
     x = _inputs("state_space")["x"].astype(np.int32)
     out = layer(x)
-    assert not np.allclose(out, x @ layer.D.T, atol=1e-3)
+    assert not np.allclose(out, x.astype(layer.D.dtype) @ layer.D.T, atol=1e-3)
 
 
 def _key_array(shape):
@@ -119,7 +127,7 @@ def _key_array(shape):
             r"key",
         ),
         (
-            lambda: _layer("linear_dynamics")("abc"),
+            lambda: unchecked(_layer("linear_dynamics"))("abc"),
             TypeError,
             r"`LinearDynamics\.__call__\(x0=\.\.\.\)` must be an array of numbers.*"
             r"type str",
@@ -145,7 +153,7 @@ def _key_array(shape):
             r"`KrylovGraphConv\.__call__\(adjacency=\.\.\.\)` must have a numeric",
         ),
         (
-            lambda: _layer("graph_dense")(lambda v: v, jnp.ones((6, 2))),
+            lambda: unchecked(_layer("graph_dense"))(lambda v: v, jnp.ones((6, 2))),
             TypeError,
             r"`KrylovGraphConv\.__call__\(adjacency=\.\.\.\)` must be an array of "
             r"numbers.*type function",
@@ -159,7 +167,7 @@ def _key_array(shape):
             r"with n_batch=0 and n_dense=0; got n_batch=1",
         ),
         (
-            lambda: normalise_adjacency(object()),
+            lambda: unchecked(normalise_adjacency)(object()),
             TypeError,
             r"`normalise_adjacency\(adjacency=\.\.\.\)` must be an array of numbers",
         ),
@@ -237,7 +245,8 @@ def test_complex_graph_conv_matches_sum_of_powers(kind):
     inputs = _cast(_inputs(kind), np.float64)
     adjacency, H = inputs["adjacency"], inputs["H"]
     blocks = [np.linalg.matrix_power(adjacency, j) @ H for j in range(3)]
-    expected = np.concatenate(blocks, axis=1) @ layer.weight.T + layer.bias
+    weight, bias = np.asarray(layer.weight), np.asarray(layer.bias)
+    expected = np.concatenate(blocks, axis=1) @ weight.T + bias
     out = _call(kind, layer, inputs)
     assert out.dtype == jnp.complex128
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
@@ -298,10 +307,10 @@ def test_state_space_complex_input_is_the_linear_map_on_each_part(
     layer = _layer("state_space")
     re = jr.normal(jr.key(1), (8, 2))
     im = jr.normal(jr.key(2), (8, 2))
-    x = (re + 1j * im).astype(input_dtype)
+    x = jax.lax.complex(re, im).astype(input_dtype)
     out = layer(x)
     assert out.dtype == out_dtype
-    expected = layer(x.real) + 1j * layer(x.imag)
+    expected = jax.lax.complex(layer(x.real), layer(x.imag))
     np.testing.assert_allclose(out, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -322,8 +331,11 @@ def test_num_hops_accepts_any_integer_type(num_hops):
 
 @pytest.mark.parametrize("num_hops", [True, np.bool_(True), 2.0, np.float64(2.0)])
 def test_num_hops_rejects_bool_and_non_integers(num_hops):
+    # `True` is an `int` to the annotation (bool subclasses int); the others lie
+    # outside it.
+    build = KrylovGraphConv if num_hops is True else unchecked(KrylovGraphConv)
     with pytest.raises(TypeError, match=r"`KrylovGraphConv\(num_hops=\.\.\.\)`"):
-        KrylovGraphConv(2, 3, num_hops, key=jr.key(0))
+        build(2, 3, num_hops, key=jr.key(0))
 
 
 # --- array-likes and sparse formats for the graph operator --------------------------
@@ -349,7 +361,7 @@ def test_normalise_boolean_adjacency_with_self_loops():
     adjacency = _ring().astype(bool)
     adjacency[1, 1] = True
     expected = normalise_adjacency(adjacency.astype(np.float64))
-    for matrix in [adjacency, sparse.BCOO.fromdense(jnp.asarray(adjacency))]:
+    for matrix in [adjacency, _bcoo(adjacency)]:
         out = normalise_adjacency(matrix)
         dense = out.todense() if isinstance(out, sparse.BCOO) else out
         assert dense.dtype == jnp.float64
@@ -363,11 +375,11 @@ def test_scipy_sparse_adjacency_raises_with_the_conversion():
     H = jnp.ones((N_NODES, 2))
     hint = r"SciPy sparse matrix.*`jax\.experimental\.sparse\.BCOO\.from_scipy_sparse`"
     with pytest.raises(TypeError, match=r"`KrylovGraphConv\.__call__\(adjacency=.*"):
-        layer(matrix, H)
+        unchecked(layer)(matrix, H)
     with pytest.raises(TypeError, match=hint):
-        layer(matrix, H)
+        unchecked(layer)(matrix, H)
     with pytest.raises(TypeError, match=r"`normalise_adjacency\(adjacency=.*" + hint):
-        normalise_adjacency(matrix)
+        unchecked(normalise_adjacency)(matrix)
     # The conversion the message suggests works.
     converted = sparse.BCOO.from_scipy_sparse(matrix)
     np.testing.assert_allclose(
@@ -381,9 +393,9 @@ def test_bcsr_adjacency_raises_with_the_conversion():
         r"adjacency=\.\.\.\)` must be a dense array or a .*BCOO.*got a BCSR.*to_bcoo"
     )
     with pytest.raises(TypeError, match=match):
-        _layer("graph_dense")(matrix, jnp.ones((N_NODES, 2)))
+        unchecked(_layer("graph_dense"))(matrix, jnp.ones((N_NODES, 2)))
     with pytest.raises(TypeError, match=match):
-        normalise_adjacency(matrix)
+        unchecked(normalise_adjacency)(matrix)
 
 
 # --- graphs with no nodes ---------------------------------------------------------
@@ -437,3 +449,18 @@ def test_normalise_adjacency_with_no_nodes(kind):
     out = normalise_adjacency(_empty(kind))
     assert isinstance(out, sparse.BCOO) == (kind == "graph_bcoo")
     assert out.shape == (0, 0)
+
+
+@pytest.mark.parametrize(("kind", "name"), CASES)
+def test_promotion_is_the_same_under_strict_and_standard(kind, name):
+    # conftest.py sets `jax_numpy_dtype_promotion="strict"`; the layers' promotion
+    # of their inputs is part of their API and follows the standard rules in both.
+    assert jax.config.jax_numpy_dtype_promotion == "strict"
+    layer = _layer(kind, dtype=jnp.float32)
+    inputs = _cast(_inputs(kind), np.float32)
+    inputs[name] = _inputs(kind)[name].astype(np.int32)
+    out = _call(kind, layer, inputs)
+    with jax.numpy_dtype_promotion("standard"):
+        expected = _call(kind, layer, inputs)
+    assert out.dtype == expected.dtype == jnp.float32
+    np.testing.assert_array_equal(out, expected)

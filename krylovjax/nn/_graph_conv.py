@@ -17,10 +17,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.experimental import sparse
-from jaxtyping import Array, Inexact, PRNGKeyArray, Shaped
+from jaxtyping import Array, ArrayLike, DTypeLike, Inexact, PRNGKeyArray, Shaped
 
 from .._checks import as_input, check_bcoo_matrix, check_dtype, check_size
 from .._krylov import krylov
+from .._typing import StaticInt
 from ._init import uniform
 
 
@@ -30,7 +31,7 @@ def _is_scipy_sparse(x: Any) -> bool:
     return scipy_sparse is not None and scipy_sparse.issparse(x)
 
 
-def _as_adjacency(adjacency: Any, arg: str, dtype: Any | None) -> Any:
+def _as_adjacency(adjacency: Any, arg: str, dtype: Any | None) -> Array | sparse.BCOO:
     """A dense array or a two-dimensional BCOO matrix promoted with `dtype`.
 
     Array-likes (nested lists, NumPy arrays) become JAX arrays; the values are
@@ -58,7 +59,9 @@ def _as_adjacency(adjacency: Any, arg: str, dtype: Any | None) -> Any:
     return as_input(adjacency, arg, dtype)
 
 
-def normalise_adjacency(adjacency: Any) -> Any:
+def normalise_adjacency(
+    adjacency: Shaped[ArrayLike, "N N"] | Shaped[sparse.BCOO, "N N"] | list | tuple,
+) -> Inexact[Array, "N N"] | Inexact[sparse.BCOO, "N N"]:
     r"""The symmetrically normalised adjacency with self-loops (Kipf and Welling).
 
     $$\hat A = D^{-1/2} (A + I) D^{-1/2}, \qquad D = \operatorname{diag}((A + I)
@@ -156,12 +159,12 @@ class KrylovGraphConv(eqx.Module):
 
     def __init__(
         self,
-        in_features: int,
-        out_features: int,
-        num_hops: int,
+        in_features: StaticInt,
+        out_features: StaticInt,
+        num_hops: StaticInt,
         *,
         use_bias: bool = True,
-        dtype: Any = None,
+        dtype: DTypeLike | None = None,
         key: PRNGKeyArray,
     ):
         r"""**Arguments:**
@@ -197,8 +200,8 @@ class KrylovGraphConv(eqx.Module):
 
     def __call__(
         self,
-        adjacency: Any,
-        H: Shaped[Array, "N in"],
+        adjacency: Shaped[ArrayLike, "N N"] | Shaped[sparse.BCOO, "N N"] | list | tuple,
+        H: Shaped[ArrayLike, "N in"] | list | tuple,
         *,
         key: PRNGKeyArray | None = None,
     ) -> Inexact[Array, "N out"]:
@@ -214,8 +217,9 @@ class KrylovGraphConv(eqx.Module):
         - `key`: ignored; accepted for compatibility with `equinox.nn`.
 
         The values of `adjacency` and `H` are promoted with the layer's dtype
-        (`jnp.promote_types`), so integer or boolean inputs give the same output
-        as the inputs cast to that dtype.
+        (`jnp.promote_types` by JAX's standard rules, also under strict dtype
+        promotion), so integer or boolean inputs give the same output as the inputs
+        cast to that dtype.
 
         **Returns:**
 
@@ -245,7 +249,10 @@ class KrylovGraphConv(eqx.Module):
         # (N, k + 1, F_in) -> (N, (k + 1) F_in): node n's row is [h_n, (A H)_n, ...].
         features = krylov(adjacency, H, self.num_hops + 1, layout="columns")
         # An explicit width, not -1, which is ambiguous for N = 0.
-        out = features.reshape(n, self.weight.shape[1]) @ self.weight.T
+        # `features` has the dtype of `H` and `adjacency` promoted with the layer's;
+        # the parameters are cast to it.
+        weight = self.weight.astype(features.dtype)
+        out = features.reshape(n, weight.shape[1]) @ weight.T
         if self.bias is not None:
-            out = out + self.bias
+            out = out + self.bias.astype(out.dtype)[None, :]
         return out

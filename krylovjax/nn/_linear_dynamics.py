@@ -8,14 +8,14 @@ gradient of $K$ is one matrix product of the adjoint buffer with the stored stat
 """
 
 import math
-from typing import Any
 
 import equinox as eqx
 import jax.random as jr
-from jaxtyping import Array, Inexact, PRNGKeyArray, Shaped
+from jaxtyping import Array, ArrayLike, DTypeLike, Inexact, PRNGKeyArray, Shaped
 
 from .._checks import as_input, check_dtype, check_shape, check_size
 from .._krylov import krylov
+from .._typing import StaticInt
 from ._init import uniform
 
 
@@ -63,11 +63,11 @@ class LinearDynamics(eqx.Module):
 
     def __init__(
         self,
-        state_size: int,
-        horizon: int,
+        state_size: StaticInt,
+        horizon: StaticInt,
         *,
         learn_x0: bool = True,
-        dtype: Any = None,
+        dtype: DTypeLike | None = None,
         key: PRNGKeyArray,
     ):
         """**Arguments:**
@@ -100,9 +100,9 @@ class LinearDynamics(eqx.Module):
 
     def __call__(
         self,
-        x0: Shaped[Array, " n"] | None = None,
+        x0: Shaped[ArrayLike, " n"] | list | tuple | None = None,
         *,
-        horizon: int | None = None,
+        horizon: StaticInt | None = None,
         key: PRNGKeyArray | None = None,
     ) -> Inexact[Array, "d n"]:
         r"""**Arguments:**
@@ -112,8 +112,9 @@ class LinearDynamics(eqx.Module):
             one for this call); required when it was built with `learn_x0=False`.
             To run a batch of initial states use `jax.vmap(model)(x0s)`. Any array
             of numbers, or nested lists: it is promoted with the layer's dtype
-            (`jnp.promote_types`), so an integer or boolean `x0` gives the same
-            trajectory as `x0.astype(dtype)`.
+            (`jnp.promote_types` by JAX's standard rules, also under strict dtype
+            promotion), so an integer or boolean `x0` gives the same trajectory as
+            `x0.astype(dtype)`.
         - `horizon`: the number of states for this call, overriding the layer's
             `horizon`. It fixes the output shape, so it must be a static Python
             `int >= 1` (under `jax.jit`, close over it or mark it static).

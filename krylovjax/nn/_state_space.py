@@ -15,16 +15,16 @@ everywhere (see [`krylovjax.nn.StateSpaceConv`][]).
 """
 
 import math
-from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-from jaxtyping import Array, Float, Inexact, PRNGKeyArray, Shaped
+from jaxtyping import Array, ArrayLike, DTypeLike, Float, Inexact, PRNGKeyArray, Shaped
 
 from .._checks import as_input, check_dtype, check_size
 from .._krylov import krylov
+from .._typing import StaticInt
 
 # The dtypes of `jnp.fft`'s real transforms, which the convolution uses.
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -102,15 +102,15 @@ class StateSpaceConv(eqx.Module):
 
     def __init__(
         self,
-        state_size: int,
-        in_channels: int,
-        out_channels: int,
-        length: int,
+        state_size: StaticInt,
+        in_channels: StaticInt,
+        out_channels: StaticInt,
+        length: StaticInt,
         *,
-        dt_min: float = 1e-3,
-        dt_max: float = 1e-1,
-        min_damping: float = 1e-3,
-        dtype: Any = None,
+        dt_min: float | int = 1e-3,
+        dt_max: float | int = 1e-1,
+        min_damping: float | int = 1e-3,
+        dtype: DTypeLike | None = None,
         key: PRNGKeyArray,
     ):
         r"""**Arguments:**
@@ -204,7 +204,7 @@ class StateSpaceConv(eqx.Module):
         solved = jnp.linalg.solve(left, rhs)
         return solved[:, :n], solved[:, n:]
 
-    def kernel(self, length: int | None = None) -> Float[Array, "L out in"]:
+    def kernel(self, length: StaticInt | None = None) -> Float[Array, "L out in"]:
         r"""The convolution kernel $[\bar K_0, \dots, \bar K_{L-1}]$, $\bar K_l = C
         \bar A^l \bar B$.
 
@@ -237,7 +237,10 @@ class StateSpaceConv(eqx.Module):
         return jnp.einsum("on,lni->loi", self.C, blocks)
 
     def __call__(
-        self, x: Shaped[Array, "L in"], *, key: PRNGKeyArray | None = None
+        self,
+        x: Shaped[ArrayLike, "L in"] | list | tuple,
+        *,
+        key: PRNGKeyArray | None = None,
     ) -> Inexact[Array, "L out"]:
         r"""**Arguments:**
 
@@ -246,8 +249,9 @@ class StateSpaceConv(eqx.Module):
             `L` kernel entries (the output is the same as for the input padded with
             zeros at the end, truncated). Batch with `jax.vmap`. Any array of
             numbers, or nested lists: it is promoted with the layer's dtype
-            (`jnp.promote_types`), so an integer or boolean `x` gives the same
-            output as `x.astype(dtype)`, and a complex `x` a complex output.
+            (`jnp.promote_types` by JAX's standard rules, also under strict dtype
+            promotion), so an integer or boolean `x` gives the same output as
+            `x.astype(dtype)`, and a complex `x` a complex output.
         - `key`: ignored; accepted for compatibility with `equinox.nn`.
 
         **Returns:**
@@ -274,7 +278,9 @@ class StateSpaceConv(eqx.Module):
             fft, ifft = jnp.fft.fft, jnp.fft.ifft
         else:
             fft, ifft = jnp.fft.rfft, jnp.fft.irfft
-        kernel_f = fft(kernel, n=n_fft, axis=0)
         x_f = fft(x, n=n_fft, axis=0)
+        # The kernel is transformed in the layer's dtype, then cast to that of the
+        # (promoted) input.
+        kernel_f = fft(kernel, n=n_fft, axis=0).astype(x_f.dtype)
         y = ifft(jnp.einsum("foi,fi->fo", kernel_f, x_f), n=n_fft, axis=0)
-        return y[:n_time] + x @ self.D.T
+        return y[:n_time] + x @ self.D.T.astype(x.dtype)
