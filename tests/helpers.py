@@ -6,7 +6,12 @@ plain `lax.scan`, both differentiated by JAX's own rules.
 
 import contextlib
 import itertools
+import json
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -346,3 +351,22 @@ def _checks_off():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", before)
+
+
+def run_on_four_devices(script: str):
+    """Run `tests/<script>` in a subprocess with four forced host devices (the
+    device count is fixed when JAX starts) and return its last stdout line, parsed
+    as JSON."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, str(pathlib.Path(__file__).with_name(script))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

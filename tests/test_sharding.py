@@ -15,15 +15,10 @@ doubling's reverse pass on sizes that meet both of its schemes (transposed level
 Hillis-Steele scan) for both kinds of sharded operands. Values in float64.
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
+from helpers import run_on_four_devices
 
-SCRIPT = pathlib.Path(__file__).with_name("_sharding_script.py")
+SCRIPT = "_sharding_script.py"
 MESHES = ("auto", "explicit")
 OPERANDS = ("rows", "batch")
 LAYOUTS = ("columns", "rows")
@@ -67,20 +62,7 @@ def _case_ids() -> list[str]:
 
 @pytest.fixture(scope="module")
 def records() -> dict[str, dict]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.strip().splitlines()
-    return {r["id"]: r for r in json.loads(lines[-1])}
+    return {r["id"]: r for r in run_on_four_devices(SCRIPT)}
 
 
 def test_every_case_ran(records):

@@ -1,16 +1,10 @@
 """BCOO matrices at any shape of pattern: the chunked sparse path against dense."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, run_on_four_devices
 from jax.experimental import sparse
 from jax.test_util import check_grads
 
@@ -139,17 +133,6 @@ def test_memory_is_bounded_by_a_chunk_not_by_the_entries():
 def test_row_partitioned_graph_matches_one_device():
     # Node features sharded by rows over four host devices (an `Auto` mesh); see
     # `_graph_sharding_script.py`.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    script = pathlib.Path(__file__).with_name("_graph_sharding_script.py")
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    record = json.loads(result.stdout.strip().splitlines()[-1])
+    record = run_on_four_devices("_graph_sharding_script.py")
     assert record["devices"] == 4
     assert max(record["errors"]) < 1e-13, record
