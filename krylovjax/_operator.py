@@ -85,19 +85,23 @@ class AbstractOperator(eqx.Module):
         return jtu.tree_map(jnp.add, acc, self.param_vjp(xs, cts))
 
 
-def typed_like(ct: Array, out: Array) -> Array:
-    """`ct` with the sharding type of `out`; a no-op unless the mesh is `Explicit`.
+def typed_like(y: Array, like: Array) -> Array:
+    """`y` with the sharding type of `like`; a no-op unless `like`'s mesh is
+    `Explicit`.
 
-    A VJP takes cotangents typed exactly like the function's output. On an explicit
-    mesh the sharding is part of that type, and a callable's output need not be
-    sharded like its input: `lambda v: A @ v` with a row-sharded `A` gives a
-    row-sharded vector even for a replicated `v`, while the cotangents (the adjoint
-    vectors) keep `x0`'s sharding.
+    On an explicit mesh the sharding is part of an array's type. A VJP takes
+    cotangents typed exactly like the function's output, and a scan carry must keep
+    its type: `A @ x` for a row-sharded `A` is typed row-sharded even when `x` is
+    replicated, and a callable's output need not be sharded like its input. On an
+    `Auto` mesh or none, XLA places arrays itself (and an array made inside
+    `jax.set_mesh` may name a mesh that its input does not), so nothing is done.
     """
-    sharding = jax.typeof(out).sharding
-    if jax.typeof(ct).sharding == sharding:
-        return ct
-    return jax.sharding.reshard(ct, sharding)
+    sharding = jax.typeof(like).sharding
+    if jax.sharding.AxisType.Explicit not in sharding.mesh.axis_types:
+        return y
+    if jax.typeof(y).sharding == sharding:
+        return y
+    return jax.sharding.reshard(y, sharding)
 
 
 # The reverse pass adds each chunk's (n, n) gradient of a dense matrix into its

@@ -43,7 +43,6 @@ mode only.
 """
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
@@ -54,6 +53,7 @@ from ._operator import (
     BatchedOperator,
     DenseOperator,
     DenseRowsOperator,
+    typed_like,
 )
 from ._sequence import trajectory, with_first
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
@@ -79,7 +79,7 @@ def krylov_scan(operator: AbstractOperator, x0: Array, d: int) -> Array:
 
 def krylov_tail(operator: AbstractOperator, x0: Array, steps: int) -> Array:
     r"""$[A x_0, \dots, A^{s} x_0]$ for $s$ = `steps`, by one `lax.scan`."""
-    return trajectory(lambda x: keep_sharding(operator.mv(x), x), x0, steps)
+    return trajectory(lambda x: typed_like(operator.mv(x), x), x0, steps)
 
 
 # ----------------------------------------------------------------- reverse pass
@@ -131,7 +131,7 @@ def adjoint_chunks(
         # The adjoint vectors of the rows of `g_rows`, last first; they are only
         # stacked when the operator's gradient needs them.
         def step(lam_next, g_i):
-            lam_i = keep_sharding(g_i + transpose_mv(lam_next), lam_next)
+            lam_i = typed_like(g_i + transpose_mv(lam_next), lam_next)
             return lam_i, lam_i if want_operator else None
 
         return lax.scan(step, lam_next, g_rows, reverse=True)
@@ -171,12 +171,12 @@ def adjoint_chunks(
             chunk_step, (lam_next, grad), jnp.arange(full), reverse=True
         )
     # Row 0, lam_1, pairs with x0, which is not in the tail.
-    lam1 = keep_sharding(g_tail[0] + transpose_mv(lam_next), x0)
+    lam1 = typed_like(g_tail[0] + transpose_mv(lam_next), x0)
     if want_operator:
         assert grad is not None
         grad = operator.add_param_vjp(grad, x0[None], 0, lam1[None])
     # The transpose that served every step serves x0 too.
-    return keep_sharding(transpose_mv(lam1), x0), grad
+    return typed_like(transpose_mv(lam1), x0), grad
 
 
 @eqx.filter_custom_vjp
@@ -241,7 +241,7 @@ def tangent_chunks(
 
         def step(t, r_k):
             t_next = operator.mv(t) if r_k is None else operator.mv(t) + r_k
-            t_next = keep_sharding(t_next, t)
+            t_next = typed_like(t_next, t)
             return t_next, t_next
 
         return lax.scan(step, t, r, length=xs.shape[0])
@@ -361,16 +361,3 @@ def _custom_jvp(operator: AbstractOperator, x0: Array, d: int) -> Array:
 krylov_custom_jvp = _dense_block_as_rows(_custom_jvp)
 # The scan with the same reverse pass as a `jax.custom_vjp` (reverse mode only).
 krylov_custom_vjp = _dense_block_as_rows(_krylov_custom_vjp)
-
-
-def keep_sharding(y: Array, like: Array) -> Array:
-    """Give `y` the sharding type of `like`; a no-op unless the mesh is `Explicit`.
-
-    On an explicit-sharding mesh the sharding is part of an array's type, so a scan
-    carry must keep it: `A @ x` for a row-sharded `A` is typed row-sharded even when
-    `x` is replicated.
-    """
-    sharding = jax.typeof(like).sharding
-    if jax.typeof(y).sharding == sharding:
-        return y
-    return jax.sharding.reshard(y, sharding)

@@ -10,13 +10,15 @@ chunk at a time (`CHUNK_ELEMENTS` gathered numbers per chunk) inside a
 place, so the temporary is one chunk. On CPU this is also faster than the batched
 product (`benchmarks/bench_graphs.py`).
 
-Derivatives. `spmv` has a JVP rule, $\dot y = A \dot x + \dot A x$, made of the
-same chunked product, so that JAX's transposition of it (reverse mode) is chunked
-too: the cotangent of $x$ is the product with $A^\top$ (a scatter-add by columns),
-and the cotangent of the stored values,
-$\bar a_e = \langle \bar y_{r_e}, x_{c_e} \rangle$, is summed a chunk of entries
-at a time. `add_sampled` is that last sum over a stack of vectors, as the reverse
-pass of `krylov` needs it (`_operator.SparseOperator.add_param_vjp`).
+Derivatives. `spmv` has a JVP rule, $\dot y = A \dot x + \dot A x$, whose tangent
+comes from a tangent primitive (`_tangent.py`): its implementation is the same
+chunked product, and its transpose (reverse mode) is written here, chunked too: the
+cotangent of $x$ is the product with $A^\top$ (a scatter-add by columns), and the
+cotangent of the stored values, $\bar a_e = \langle \bar y_{r_e}, x_{c_e} \rangle$,
+is summed a chunk of entries at a time (`add_sampled`, which the reverse pass of
+`krylov` also uses for a stack of vectors, `_operator.SparseOperator.add_param_vjp`).
+A hand-written transpose, not JAX's transposition of the loop: jax < 0.10 cannot
+transpose a loop that a `custom_jvp` rule returns as a tangent.
 
 Every chunk has the same shape: the last one starts early enough to end at the last
 entry and skips the entries that the chunk before it already took, so nothing is
@@ -30,7 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
+from jax.sharding import AxisType, PartitionSpec as P, reshard
 from jaxtyping import Array, Int, Shaped
+
+from ._tangent import is_tangent, nones, tangent_primitive
 
 # How many numbers one chunk of a product gathers: 2**20 (4 MB in float32).
 CHUNK_ELEMENTS = 2**20
@@ -57,6 +62,27 @@ def _entries(indices, first, size: int, transposed: bool):
     return (idx[:, 1], idx[:, 0]) if transposed else (idx[:, 0], idx[:, 1])
 
 
+def _explicit_mesh(*arrays):
+    """The mesh if any of `arrays` is sharded on an `Explicit` mesh, else `None`.
+
+    There the sharding is part of an array's type, and the gathers and scatters of a
+    product cannot infer theirs; `jax.shard_map` states them instead. On an `Auto`
+    mesh, or on one device, XLA's partitioner places the product itself.
+    """
+    for a in arrays:
+        sharding = jax.typeof(a).sharding
+        explicit = AxisType.Explicit in sharding.mesh.axis_types
+        if explicit and any(p is not None for p in sharding.spec):
+            return sharding.mesh
+    return None
+
+
+def _entry_axis(indices):
+    """The mesh axis (or axes) the stored entries are split over, or `None`."""
+    spec = jax.typeof(indices).sharding.spec
+    return spec[0] if len(spec) else None
+
+
 @partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
 def spmv(
     data: Shaped[Array, " nnz"],
@@ -70,6 +96,47 @@ def spmv(
     entries, values `data` at `indices` `(row, column)`, a chunk of entries at a
     time. Duplicates add up and the order does not matter; `rows_sorted` (the
     output's rows in order) lets XLA write the output in order."""
+    mesh = _explicit_mesh(data, indices, x)
+    if mesh is None:
+        return _spmv_local(data, indices, x, n_out, transposed, rows_sorted)
+    # One device's share of the entries, against all of `x`: an all-gather of `x`,
+    # the local product, and a sum over the devices, typed like `x`. When `x` is
+    # split by rows over the same axis as the entries, the sum is a reduce-scatter
+    # straight into each device's rows.
+    axis = _entry_axis(indices)
+    x_spec = jax.typeof(x).sharding.spec
+    scatter = (
+        axis is not None
+        and len(x_spec) > 0
+        and x_spec[0] == axis
+        and n_out == x.shape[0]
+        and n_out % _axis_size(mesh, axis) == 0
+    )
+
+    def local(data, indices, x_all):
+        y = _spmv_local(data, indices, x_all, n_out, transposed, rows_sorted)
+        if axis is None:
+            return y
+        if scatter:
+            return lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+        return lax.psum(y, axis)
+
+    y = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(axis), P(axis, None), P()),
+        out_specs=P(axis) if scatter else P(),
+        check_vma=False,
+    )(reshard(data, P(axis)), reshard(indices, P(axis, None)), reshard(x, P()))
+    return reshard(y, x_spec) if y.shape == x.shape else y
+
+
+def _axis_size(mesh, axis) -> int:
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def _spmv_local(data, indices, x, n_out, transposed, rows_sorted):
     out = jnp.zeros((n_out, *x.shape[1:]), jnp.result_type(data, x))
     nnz = data.shape[0]
     if nnz == 0 or n_out == 0:
@@ -88,17 +155,62 @@ def spmv(
     return lax.fori_loop(0, -(-nnz // size), body, out)
 
 
+def _tangent_impl(data, indices, x, t_data, t_x, static):
+    r"""$A \dot x + \dot A x$; a `None` tangent is zero."""
+    t_y = jnp.zeros_like(x)
+    if t_x is not None:
+        t_y = t_y + spmv(data, indices, t_x, *static)
+    if t_data is not None:
+        t_y = t_y + spmv(t_data, indices, x, *static)
+    return t_y
+
+
+def _tangent_transpose(inputs, ct):
+    data, indices, x, t_data, t_x, static = inputs
+    _, transposed, _ = static
+    ct_x = ct_data = None
+    if is_tangent(t_x):
+        ct_x = spmv(data, indices, ct, x.shape[0], not transposed, False)
+    if is_tangent(t_data):
+        zeros = jnp.zeros_like(data, jnp.result_type(ct))
+        ct_data = add_sampled(zeros, indices, transposed, ct[None], x[None], 0)
+    return nones(data), nones(indices), nones(x), ct_data, ct_x, nones(static)
+
+
+def _tangent_batch(bind, args, axes):
+    # A batch of vectors for one matrix (`vmap` over `x0`) becomes columns of `x`,
+    # so that `grad` of the vmapped call still transposes with the rule above;
+    # otherwise (a batch of matrices) the implementation is vmapped instead.
+    data, indices, x, t_data, t_x, static = args
+    data_axis, indices_axis, x_axis, t_data_axis, t_x_axis, _ = axes
+    if any(a is not None for a in (data_axis, indices_axis, t_data_axis)):
+        return None
+    size = x.shape[x_axis] if x_axis is not None else t_x.shape[t_x_axis]
+
+    def as_columns(v, axis):
+        if axis is None:
+            return jnp.broadcast_to(v[:, None], (v.shape[0], size, *v.shape[1:]))
+        return jnp.moveaxis(v, axis, 1)
+
+    t_x = None if t_x is None else as_columns(t_x, t_x_axis)
+    return bind(data, indices, as_columns(x, x_axis), t_data, t_x, static), 1
+
+
+# Arguments: (data, indices, x, t_data, t_x, static); the tangent is like `x` (the
+# matrix is square, and `x` has the product's dtype: see `_operator.as_operator`).
+_spmv_tangent = tangent_primitive(
+    "spmv_tangent", _tangent_impl, _tangent_transpose, like=2, batch=_tangent_batch
+)
+
+
 def _spmv_jvp(n_out, transposed, rows_sorted, primals, tangents):
     data, indices, x = primals
-    t_data, _, t_x = tangents
+    t_data, _, t_x = (None if isinstance(t, SymbolicZero) else t for t in tangents)
     static = (n_out, transposed, rows_sorted)
     y = spmv(data, indices, x, *static)
-    t_y = jnp.zeros_like(y)
-    if not isinstance(t_x, SymbolicZero):
-        t_y = t_y + spmv(data, indices, t_x, *static)
-    if not isinstance(t_data, SymbolicZero):
-        t_y = t_y + spmv(t_data, indices, x, *static)
-    return y, t_y
+    if t_data is None and t_x is None:
+        return y, jnp.zeros_like(y)
+    return y, _spmv_tangent(data, indices, x, t_data, t_x, static)
 
 
 spmv.defjvp(_spmv_jvp, symbolic_zeros=True)
@@ -119,11 +231,41 @@ def add_sampled(
     A chunk of entries at a time, reading the `k` vectors of `cts` and of `stored`
     only at the chunk's rows and columns (`stored` is never sliced or copied).
     """
+    mesh = _explicit_mesh(acc, indices, cts, stored)
+    if mesh is None:
+        return _add_sampled_local(acc, indices, transposed, cts, stored, first_step)
+    # Each device sums over its share of the entries, against all of the `k`
+    # vectors (an all-gather of them); the result is split like the entries.
+    axis = _entry_axis(indices)
+    k = cts.shape[0]
+    stored = lax.dynamic_slice_in_dim(stored, first_step, k)
+
+    def local(acc, indices, cts, stored):
+        return _add_sampled_local(acc, indices, transposed, cts, stored, 0)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(axis), P(axis, None), P(), P()),
+        out_specs=P(axis),
+        check_vma=False,
+    )(
+        reshard(acc, P(axis)),
+        reshard(indices, P(axis, None)),
+        reshard(cts, P()),
+        reshard(stored, P()),
+    )
+
+
+def _add_sampled_local(acc, indices, transposed, cts, stored, first_step):
     nnz = acc.shape[0]
     k = cts.shape[0]
     if nnz == 0 or k == 0:
         return acc
-    size = chunk_size(nnz, k * math.prod(cts.shape[2:]))
+    # Entries per chunk: at most `CHUNK_ELEMENTS` gathered numbers, and no more
+    # than the `k` vectors themselves hold, so that a small graph's chunk is no
+    # larger than the adjoint vectors it reads.
+    size = min(chunk_size(nnz, k * math.prod(cts.shape[2:])), max(1, cts.shape[1]))
     steps = first_step + jnp.arange(k)
     axes = (0, *range(2, cts.ndim))
 

@@ -131,8 +131,18 @@ def test_memory_is_bounded_by_a_chunk_not_by_the_entries():
 
 
 def test_row_partitioned_graph_matches_one_device():
-    # Node features sharded by rows over four host devices (an `Auto` mesh); see
-    # `_graph_sharding_script.py`.
-    record = run_on_four_devices("_graph_sharding_script.py")
-    assert record["devices"] == 4
-    assert max(record["errors"]) < 1e-13, record
+    # Node features and the adjacency's entries split by rows over four host
+    # devices, on both mesh kinds; see `_graph_sharding_script.py`.
+    records = run_on_four_devices("_graph_sharding_script.py")
+    assert sorted(records) == [
+        "Auto-None",
+        "Auto-autodiff",
+        "Explicit-None",
+        "Explicit-autodiff",
+        "unplaced-None",
+        "unplaced-autodiff",
+    ]
+    for case, record in records.items():
+        if not case.startswith("unplaced"):
+            assert record["devices"] == 4, records
+        assert max(record["errors"]) < 1e-13, records
