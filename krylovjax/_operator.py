@@ -18,6 +18,8 @@ The interface, modelled on lineax's `AbstractLinearOperator`:
   input is needed; a callable is linearised once, when `transpose()` is called;
 - `as_matrix()`: the matrix that `mv` applies to each vector (for a callable, to
   `x0` flattened);
+- `mv_add(x, y)`: $y + A x$, which the BCOO kind scatter-adds into `y` itself (a
+  step of the reverse pass);
 - `mm(xs)`: $A$ applied to a stack of inputs along a new leading axis, in one
   batched call;
 - `param_vjp(xs, cts)`: the cotangent of the operator's arrays for
@@ -46,7 +48,7 @@ from jaxtyping import Array, Inexact, Shaped
 
 from ._checks import check_bcoo_matrix, check_inexact, standard_result_type
 from ._linearity import check_linear
-from ._sparse import add_sampled, spmv
+from ._sparse import add_sampled, spmv, spmv_add
 
 
 class AbstractOperator(eqx.Module):
@@ -63,6 +65,10 @@ class AbstractOperator(eqx.Module):
     @abc.abstractmethod
     def as_matrix(self) -> Array:
         """The matrix of `mv` on one vector: `(n, n)`."""
+
+    def mv_add(self, x: Array, y: Array) -> Array:
+        """$y + A x$ (a kind may compute it in place of `y`)."""
+        return y + self.mv(x)
 
     def mm(self, xs: Array) -> Array:
         """`mv` of every input of a stack `(k, ...)`, in one batched call."""
@@ -291,6 +297,12 @@ class SparseOperator(AbstractOperator):
         return spmv(
             self.matrix.data, self.matrix.indices, x, n, self.transposed, sorted_rows
         )
+
+    def mv_add(self, x: Array, y: Array) -> Array:
+        n = self.matrix.shape[0]
+        sorted_rows = self.matrix.indices_sorted and not self.transposed
+        data, indices = self.matrix.data, self.matrix.indices
+        return spmv_add(data, indices, x, y, n, self.transposed, sorted_rows)
 
     def transpose(self) -> AbstractOperator:
         return SparseOperator(self.matrix, not self.transposed)

@@ -125,15 +125,25 @@ def adjoint_chunks(
     """
     steps = tail.shape[0]
     # Called once, outside the loops: a callable is linearised once.
-    transpose_mv = operator.transpose().mv
+    transpose = operator.transpose()
+    transpose_mv = transpose.mv
 
     def reverse(lam_next, g_rows):
         # The adjoint vectors of the rows of `g_rows`, last first; they are only
         # stacked when the operator's gradient needs them.
         def step(lam_next, g_i):
-            lam_i = typed_like(g_i + transpose_mv(lam_next), lam_next)
+            lam_i = typed_like(transpose.mv_add(lam_next, g_i), lam_next)
             return lam_i, lam_i if want_operator else None
 
+        if g_rows.shape[0] == 1:
+            # One step (vectors so wide that a chunk holds one): no loop, whose
+            # carry and stacked output would be two copies of the same vector.
+            # The last row's adjoint is its cotangent: no product with zeros.
+            g_i = g_rows[0]
+            lam_i = g_i if lam_next is None else step(lam_next, g_i)[0]
+            return lam_i, lam_i[None] if want_operator else None
+        if lam_next is None:
+            lam_next = jnp.zeros_like(x0)
         return lax.scan(step, lam_next, g_rows, reverse=True)
 
     def pairs(start, size, lam_next, acc):
@@ -152,7 +162,8 @@ def adjoint_chunks(
     # Rows 1 .. steps - 1 pair with the stored vector one row up: `full` chunks
     # of `size` rows and `rest` rows at the end, which go first.
     size, full, rest = _chunks(steps, chunk or _chunk_steps(x0))
-    lam_next = jnp.zeros_like(x0)
+    # `None` until the first row is done: lambda_(d-1) = g_(d-1).
+    lam_next = None
     grad = _inexact_zeros(operator) if want_operator else None
     if rest:
         lam_next, grad = pairs(steps - rest, rest, lam_next, grad)
@@ -167,11 +178,14 @@ def adjoint_chunks(
         def chunk_step(carry, c):
             return pairs(1 + c * size, size, *carry), None
 
+        if lam_next is None:
+            lam_next = jnp.zeros_like(x0)
         (lam_next, grad), _ = lax.scan(
             chunk_step, (lam_next, grad), jnp.arange(full), reverse=True
         )
     # Row 0, lam_1, pairs with x0, which is not in the tail.
-    lam1 = typed_like(g_tail[0] + transpose_mv(lam_next), x0)
+    lam1 = g_tail[0] if lam_next is None else transpose.mv_add(lam_next, g_tail[0])
+    lam1 = typed_like(lam1, x0)
     if want_operator:
         assert grad is not None
         grad = operator.add_param_vjp(grad, x0[None], 0, lam1[None])

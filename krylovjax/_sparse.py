@@ -136,8 +136,9 @@ def _axis_size(mesh, axis) -> int:
     return math.prod(mesh.shape[name] for name in names)
 
 
-def _spmv_local(data, indices, x, n_out, transposed, rows_sorted):
+def _spmv_local(data, indices, x, n_out, transposed, rows_sorted, init=None):
     out = jnp.zeros((n_out, *x.shape[1:]), jnp.result_type(data, x))
+    out = out if init is None else init.astype(out.dtype)
     nnz = data.shape[0]
     if nnz == 0 or n_out == 0:
         return out
@@ -214,6 +215,38 @@ def _spmv_jvp(n_out, transposed, rows_sorted, primals, tangents):
 
 
 spmv.defjvp(_spmv_jvp, symbolic_zeros=True)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
+def spmv_add(
+    data: Shaped[Array, " nnz"],
+    indices: Int[Array, "nnz 2"],
+    x: Shaped[Array, "m ..."],
+    y: Shaped[Array, "n_out ..."],
+    n_out: int,
+    transposed: bool,
+    rows_sorted: bool,
+) -> Shaped[Array, "n_out ..."]:
+    r"""$y + A x$ (or $y + A^\top x$), scatter-added into `y` itself: no array of
+    zeros to start from and no separate sum (a step of the reverse pass,
+    $\lambda_i = g_i + A^\top \lambda_{i+1}$, is one call)."""
+    if _explicit_mesh(data, indices, x, y) is not None:
+        return y + spmv(data, indices, x, n_out, transposed, rows_sorted)
+    return _spmv_local(data, indices, x, n_out, transposed, rows_sorted, init=y)
+
+
+def _spmv_add_jvp(n_out, transposed, rows_sorted, primals, tangents):
+    data, indices, x, y = primals
+    t_data, _, t_x, t_y = (None if isinstance(t, SymbolicZero) else t for t in tangents)
+    static = (n_out, transposed, rows_sorted)
+    out = spmv_add(data, indices, x, y, *static)
+    t_out = jnp.zeros_like(out) if t_y is None else t_y
+    if t_data is not None or t_x is not None:
+        t_out = t_out + _spmv_tangent(data, indices, x, t_data, t_x, static)
+    return out, t_out
+
+
+spmv_add.defjvp(_spmv_add_jvp, symbolic_zeros=True)
 
 
 def add_sampled(
