@@ -103,6 +103,9 @@ def test_iterate_pytree_vjp(n, d, dtype, adjoint, seed):
         return results
 
     (out, grads), (out_ref, grads_ref) = vjps(w, state, ct)
+    # A complex sine grows like exp(|Im z|): some draws overflow in the plain scan
+    # too, and then there is nothing finite to compare with.
+    assume(all(np.all(np.isfinite(x)) for x in jax.tree.leaves((out_ref, grads_ref))))
     assert_trees_close(out, out_ref, **tol(dtype))
     assert_trees_close(grads, grads_ref, **tol(dtype))
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
