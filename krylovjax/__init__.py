@@ -3,10 +3,26 @@
 import importlib.metadata
 
 from . import nn as nn
+from ._arnoldi import Arnoldi as Arnoldi, arnoldi as arnoldi
+from ._funm import funm_action as funm_action, trace_funm as trace_funm
 from ._iterate import iterate as iterate
 from ._krylov import auto_method as auto_method, krylov as krylov
+from ._lanczos import Lanczos as Lanczos, lanczos as lanczos
 from ._typing import OperatorLike as OperatorLike, StaticInt as StaticInt
 
-__all__ = ["OperatorLike", "StaticInt", "auto_method", "iterate", "krylov", "nn"]
+__all__ = [
+    "Arnoldi",
+    "Lanczos",
+    "OperatorLike",
+    "StaticInt",
+    "arnoldi",
+    "auto_method",
+    "funm_action",
+    "iterate",
+    "krylov",
+    "lanczos",
+    "nn",
+    "trace_funm",
+]
 
 __version__ = importlib.metadata.version("krylovjax")

@@ -370,3 +370,80 @@ def run_on_four_devices(script: str):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------ orthogonal decompositions
+
+
+def decomposition_problem(kind, dtype, n=6, hermitian=False, seed=0):
+    """`(params, build, dense, x0)` for `arnoldi` and `lanczos`.
+
+    `build(params)` is an operator of `kind` whose matrix is `dense(params)`, of
+    spectral radius about 1 (Hermitian if `hermitian`; a BCOO matrix then has a
+    symmetric pattern), and `x0` a random `(n,)` vector, all in `dtype`.
+    """
+    ka, kx = jr.split(jr.key(seed))
+    A = random_array(ka, (n, n), dtype)
+    if hermitian:
+        A = (A + A.conj().T) / 2
+    A = _scaled(A, 1 / np.sqrt(n))
+    x0 = random_array(kx, (n,), dtype)
+    if kind == "bcoo":
+        mask = sparse_mask(n)
+        B = sparse.BCOO.fromdense(jnp.where(mask | mask.T, A, 0))
+        indices, shape = B.indices, B.shape
+
+        def build(data):
+            return sparse.BCOO((data, indices), shape=shape)
+
+        return B.data, build, lambda data: build(data).todense(), x0
+    params, build = make_operator(kind, A)
+    return params, build, lambda p: dense_of(kind, p), x0
+
+
+def arnoldi_numpy(A, x0, d, reorthogonalize=True):
+    """Arnoldi's method by a NumPy loop, in float64 or complex128: `(Q, H, r,
+    norm)` with `Q` `(n, d)`. Classical Gram-Schmidt against the vectors so far,
+    twice or once; no breakdown handling."""
+    A, x0 = np.asarray(A), np.asarray(x0)
+    dtype = np.result_type(A, x0, np.float64)
+    n = x0.shape[0]
+    Q, H = np.zeros((n, d), dtype), np.zeros((d, d), dtype)
+    norm = np.linalg.norm(x0)
+    Q[:, 0] = x0 / norm
+    for k in range(d):
+        w = A @ Q[:, k]
+        for _ in range(2 if reorthogonalize else 1):
+            c = Q[:, : k + 1].conj().T @ w
+            w = w - Q[:, : k + 1] @ c
+            H[: k + 1, k] += c
+        if k + 1 < d:
+            H[k + 1, k] = np.linalg.norm(w)
+            Q[:, k + 1] = w / H[k + 1, k]
+    return Q, H, w, norm
+
+
+def lanczos_numpy(A, x0, d, reorthogonalize=True):
+    """Lanczos's method by a NumPy loop, in float64 or complex128: `(Q, alpha,
+    beta, r, norm)`. The three-term recurrence, then (if `reorthogonalize`) one
+    classical Gram-Schmidt pass against every vector so far; no breakdown
+    handling."""
+    A, x0 = np.asarray(A), np.asarray(x0)
+    dtype = np.result_type(A, x0, np.float64)
+    n = x0.shape[0]
+    Q = np.zeros((n, d), dtype)
+    alpha, beta = np.zeros(d), np.zeros(max(d - 1, 0))
+    norm = np.linalg.norm(x0)
+    Q[:, 0] = x0 / norm
+    for k in range(d):
+        w = A @ Q[:, k]
+        if k > 0:
+            w = w - beta[k - 1] * Q[:, k - 1]
+        alpha[k] = np.real(np.vdot(Q[:, k], w))
+        w = w - alpha[k] * Q[:, k]
+        if reorthogonalize:
+            w = w - Q[:, : k + 1] @ (Q[:, : k + 1].conj().T @ w)
+        if k + 1 < d:
+            beta[k] = np.linalg.norm(w)
+            Q[:, k + 1] = w / beta[k]
+    return Q, alpha, beta, w, norm

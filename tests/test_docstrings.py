@@ -20,7 +20,13 @@ import pytest
 
 import krylovjax
 
-CORE_MODULES = ["krylovjax._krylov", "krylovjax._iterate"]
+CORE_MODULES = [
+    "krylovjax._krylov",
+    "krylovjax._iterate",
+    "krylovjax._arnoldi",
+    "krylovjax._lanczos",
+    "krylovjax._funm",
+]
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 # Hand-written pages whose ```python blocks are doctest sessions.
 DOC_PAGES = ["quickstart.md"]

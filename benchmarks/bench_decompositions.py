@@ -1,0 +1,227 @@
+"""Arnoldi, Lanczos and f(A)b against matfree: gradient time and compiled memory.
+
+For each problem, `jax.grad` of a loss that touches every output of the
+decomposition (`sum(Q * W) + sum(H * V)` with fixed random weights, so that every
+cotangent is non-zero) with respect to the matrix (the dense array, or the stored
+values of a BCOO matrix) and the starting vector, for
+
+- krylovjax: `krylovjax.arnoldi` / `krylovjax.lanczos` (default derivative rule);
+- matfree: `matfree.decomp.hessenberg` / `tridiag_sym` (its custom VJP, the
+  adjoint of Kraemer et al. 2024), with the matrix-vector product a user writes,
+  `A @ v` (for BCOO this is JAX's own BCOO product);
+
+and value-and-grad of `sum(f(A) b * w)` for `f = exp` by `krylovjax.funm_action`
+and `matfree.funm.funm_lanczos_sym` / `funm_arnoldi`. Times are medians of
+interleaved rounds in one run (ratios are what to read on a shared machine);
+memory is XLA's compiled temporary memory, which is deterministic.
+
+Run `pip install -e ".[bench,bench-matfree]"` then
+`python benchmarks/bench_decompositions.py` (a few minutes on 2 cores; `--quick`
+for a smoke run). It prints a Markdown table and writes it with the raw numbers to
+`--out` (default `benchmarks/out/decompositions/`, ignored by git).
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import sparse
+from matfree import decomp, funm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_krylov import compile_fn, memory, time_interleaved  # noqa: E402
+
+import krylovjax  # noqa: E402
+
+
+def dense_problem(n):
+    key_a, key_x = jax.random.split(jax.random.key(0))
+    G = jax.random.normal(key_a, (n, n), jnp.float32)
+    A = (G + G.T) / (2 * n) ** 0.5 / 2  # symmetric, spectrum in about [-1, 1]
+    x0 = jax.random.normal(key_x, (n,), jnp.float32)
+    return A, x0, lambda p: p, lambda v, p: p @ v
+
+
+def sparse_problem(n, per_row=10):
+    key_i, key_v, key_x = jax.random.split(jax.random.key(1), 3)
+    rows = jnp.repeat(jnp.arange(n), per_row // 2)
+    cols = jax.random.randint(key_i, rows.shape, 0, n)
+    values = jax.random.normal(key_v, rows.shape, jnp.float32) / per_row**0.5 / 2
+    # Symmetric: each entry and its mirror image, sorted by rows.
+    indices = jnp.concatenate([jnp.stack([rows, cols], 1), jnp.stack([cols, rows], 1)])
+    values = jnp.concatenate([values, values])
+    order = jnp.lexsort((indices[:, 1], indices[:, 0]))
+    indices, values = indices[order], values[order]
+    x0 = jax.random.normal(key_x, (n,), jnp.float32)
+
+    def bcoo(p):
+        return sparse.BCOO((p, indices), shape=(n, n), indices_sorted=True)
+
+    return values, x0, bcoo, lambda v, p: bcoo(p) @ v
+
+
+def decomposition_losses(kind, d, reortho, problem):
+    """{name: loss(p, x0)} for krylovjax and matfree, same weights."""
+    params, x0, build, matvec = problem
+    n = x0.shape[0]
+    key_w, key_v = jax.random.split(jax.random.key(2))
+    W = jax.random.normal(key_w, (n, d), jnp.float32)
+    V = jax.random.normal(key_v, (d, d), jnp.float32)
+    reorthogonalize = reortho == "full"
+    if kind == "arnoldi":
+        matfree_decomp = decomp.hessenberg(d, reortho=reortho)
+
+        def ours(p, x0):
+            out = krylovjax.arnoldi(build(p), x0, d, reorthogonalize=reorthogonalize)
+            return jnp.sum(out.basis * W) + jnp.sum(out.hessenberg * V)
+
+    else:
+        matfree_decomp = decomp.tridiag_sym(d, reortho=reortho)
+
+        def ours(p, x0):
+            out = krylovjax.lanczos(build(p), x0, d, reorthogonalize=reorthogonalize)
+            return jnp.sum(out.basis * W) + jnp.sum(out.matrix() * V)
+
+    def theirs(p, x0):
+        out = matfree_decomp(matvec, x0, p)
+        # matfree stores the basis as (d, n) ("Q_tall" of the flattened vectors).
+        Q = out.Q_tall if out.Q_tall.shape == (n, d) else out.Q_tall.T
+        return jnp.sum(Q * W) + jnp.sum(out.J_small * V)
+
+    return {"krylovjax": ours, "matfree": theirs}
+
+
+def funm_losses(kind, d, reortho, problem):
+    params, x0, build, matvec = problem
+    w = jax.random.normal(jax.random.key(3), x0.shape, jnp.float32)
+    reorthogonalize = reortho == "full"
+    if kind == "arnoldi":
+        matfree_funm = funm.funm_arnoldi(
+            funm.dense_funm_pade_exp(), decomp.hessenberg(d, reortho=reortho)
+        )
+
+        def ours(p, b):
+            fb = krylovjax.funm_action(
+                jax.scipy.linalg.expm,
+                build(p),
+                b,
+                d,
+                method="arnoldi",
+                reorthogonalize=reorthogonalize,
+            )
+            return jnp.sum(fb * w)
+
+    else:
+        matfree_funm = funm.funm_lanczos_sym(
+            funm.dense_funm_sym_eigh(jnp.exp), decomp.tridiag_sym(d, reortho=reortho)
+        )
+
+        def ours(p, b):
+            fb = krylovjax.funm_action(
+                jnp.exp,
+                build(p),
+                b,
+                d,
+                method="lanczos",
+                reorthogonalize=reorthogonalize,
+            )
+            return jnp.sum(fb * w)
+
+    def theirs(p, b):
+        return jnp.sum(matfree_funm(matvec, b, p) * w)
+
+    return {"krylovjax": ours, "matfree": theirs}
+
+
+def measure(task, losses, args, config):
+    entries = []
+    for name, loss in losses.items():
+        fn = jax.grad(loss, (0, 1)) if task == "grad" else jax.value_and_grad(loss)
+        compiled, compile_s = compile_fn(fn, args)
+        entries.append(
+            {"name": name, "compiled": compiled, "args": args, "compile_s": compile_s}
+        )
+    time_interleaved(entries, config)
+    return {
+        e["name"]: {
+            "time_s": statistics.median(e["times"]),
+            "temp_bytes": memory(e["compiled"])["temp_bytes"],
+            "compile_s": e["compile_s"],
+        }
+        for e in entries
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few runs")
+    parser.add_argument(
+        "--out", type=pathlib.Path, default=Path(__file__).parent / "out" / "decomp"
+    )
+    args = parser.parse_args()
+    if args.quick:
+        config = {"target_time_s": 0.05, "min_repeats": 3, "max_repeats": 5}
+        sizes = [("dense", 200, 20), ("BCOO", 5000, 10)]
+    else:
+        config = {"target_time_s": 0.5, "min_repeats": 5, "max_repeats": 50}
+        sizes = [("dense", 2000, 100), ("BCOO", 100_000, 50)]
+    header = (
+        "| matrix | n | d | method | reortho | task | krylovjax / matfree time "
+        "| krylovjax temp | matfree temp |"
+    )
+    lines = [
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, float32",
+        "",
+        header,
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    records = []
+    for matrix, n, d in sizes:
+        problem = dense_problem(n) if matrix == "dense" else sparse_problem(n)
+        params, x0 = problem[0], problem[1]
+        for kind in ("arnoldi", "lanczos"):
+            for reortho in ("full", "none"):
+                for task, make in (
+                    ("grad", decomposition_losses),
+                    ("f(A)b value+grad", funm_losses),
+                ):
+                    losses = make(kind, d, reortho, problem)
+                    result = measure(task, losses, (params, x0), config)
+                    ours, theirs = result["krylovjax"], result["matfree"]
+                    ratio = ours["time_s"] / theirs["time_s"]
+                    line = (
+                        f"| {matrix} | {n} | {d} | {kind} | {reortho} | {task} "
+                        f"| {ratio:.2f} | {ours['temp_bytes'] / 2**20:.1f} MiB "
+                        f"| {theirs['temp_bytes'] / 2**20:.1f} MiB |"
+                    )
+                    print(line, flush=True)
+                    lines.append(line)
+                    records.append(
+                        {
+                            "matrix": matrix,
+                            "n": n,
+                            "d": d,
+                            "method": kind,
+                            "reortho": reortho,
+                            "task": task,
+                            **{
+                                f"{k}_{m}": v
+                                for k, r in result.items()
+                                for m, v in r.items()
+                            },
+                        }
+                    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    (args.out / "results.json").write_text(json.dumps(records, indent=2))
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

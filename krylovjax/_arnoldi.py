@@ -1,0 +1,339 @@
+r"""`arnoldi`: an orthonormal Krylov basis and the Hessenberg matrix, with exact,
+memory-lean derivatives.
+
+**Forward pass.** With $q_0 = x_0 / \nu$, $\nu = \|x_0\|$, step $k = 0, \dots, d-1$
+of one `lax.scan` computes
+
+$$w^{(0)} = A q_k, \quad h^{(1)} = Q_k^H w^{(0)}, \quad
+  w^{(1)} = w^{(0)} - Q_k h^{(1)}, \quad h^{(2)} = Q_k^H w^{(1)}, \quad
+  w^{(2)} = w^{(1)} - Q_k h^{(2)},$$
+
+(the second pass only with `reorthogonalize=True`), $H_{:k, k} = h^{(1)} +
+h^{(2)}$, $\beta_k = H_{k+1, k} = \|w^{(2)}\|$ and $q_{k+1} = w^{(2)} / \beta_k$
+(at the last step the residual $r = w^{(2)}$). $Q_k$ is the preallocated basis
+buffer, whose columns beyond $k$ are still zero, so each pass is one
+matrix-vector product with the whole buffer and nothing is masked. Breakdown
+(`_orthogonal.py`): $\beta_k = 0$ and $q_{k+1} = 0$.
+
+**Tangents** (`arnoldi_tangent`). Differentiating each line, with $m_k$ the mask
+of the first $k+1$ entries,
+
+$$\dot w^{(0)} = A \dot q_k + \dot A q_k, \qquad
+  \dot h^{(p)} = m_k \odot (\dot Q^H w^{(p-1)} + Q^H \dot w^{(p-1)}), \qquad
+  \dot w^{(p)} = \dot w^{(p-1)} - \dot Q h^{(p)} - Q \dot h^{(p)},$$
+
+$\dot\beta_k = \operatorname{Re}\langle q_{k+1}, \dot w^{(2)}\rangle$ and
+$\dot q_{k+1} = (\dot w^{(2)} - q_{k+1} \dot\beta_k) / \beta_k$. Every primal
+intermediate is recomputed in batch from the outputs: $W = A Q$ is one batched
+product, $h^{(1)}$ the upper triangle of $Q^H W$, $h^{(2)} = H - h^{(1)}$ (upper
+part), $w^{(1)} = w^{(0)} - Q h^{(1)}$. $\dot A Q$ is one batched product too.
+
+**Adjoint** (`arnoldi_adjoint`, the transpose of the tangent map). With Riesz
+gradients $G_Q$, $G_H$, $g_r$, $g_\nu$ of the outputs, a buffer $\Lambda$ of
+$d + 1$ rows (the gradients $\lambda_j$ of $\dot q_j$, then that of $\dot r$)
+starts as $[G_Q; g_r]$ and one reverse scan runs $k = d-1, \dots, 0$:
+
+$$g^{(2)} = \begin{cases} \lambda_d = g_r & k = d-1 \\
+  \lambda_{k+1} / \beta_k + \big(\operatorname{Re} (G_H)_{k+1,k}
+  - \operatorname{Re}\langle q_{k+1}, \lambda_{k+1}\rangle / \beta_k\big)\,
+  q_{k+1} & k < d-1 \end{cases}$$
+
+then for each pass $p = 2, 1$ (only $p = 1$ without re-orthogonalisation)
+
+$$a^{(p)} = m_k \odot \big((G_H)_{:,k} - Q^H g^{(p)}\big), \quad
+  \Lambda \mathrel{+}= \overline{a^{(p)}}\, {w^{(p-1)}}^\top
+  - \overline{h^{(p)}}\, {g^{(p)}}^\top, \quad
+  g^{(p-1)} = g^{(p)} + Q a^{(p)},$$
+
+(the two rank-one updates of each pass applied as one small product) and finally
+$\lambda_k \mathrel{+}= A^H g^{(0)}$. The multiplier $\mu_k = g^{(0)}$ is the
+gradient of $\dot w^{(0)}_k = \dots + \dot A q_k$; it is written into the row
+$\lambda_{k+1}$, which no later (smaller) step reads, so the buffer ends as
+$[\lambda_0, \mu_0, \dots, \mu_{d-1}]$. Then (Riesz gradients; JAX's cotangents
+are their conjugates)
+
+$$g_{x_0} = \lambda_0 / \nu + (g_\nu - \operatorname{Re}\langle q_0, \lambda_0
+  \rangle / \nu)\, q_0, \qquad
+  \bar A = \sum_{k=0}^{d-1} \mu_k q_k^H \;\; \text{(one batched product)},$$
+
+the second as `operator.param_vjp` over the stacks $Q$ and $M = [\mu_k]$ (a GEMM
+for a dense matrix, a sampled product for BCOO, one VJP for a callable). The
+residuals are the outputs and the operator; the temporaries are a few $n \times
+d$ arrays ($W$, $\Lambda$), never one per step.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Inexact, Real
+
+from ._operator import AbstractOperator
+from ._orthogonal import (
+    Adjoint,
+    adjoint_mv,
+    as_dtype,
+    check_problem,
+    combine,
+    conj,
+    derivative_rule,
+    next_adjoint,
+    next_tangent,
+    next_vector,
+    normalize,
+    operator_tangent,
+    project,
+)
+from ._typing import OperatorLike, StaticInt
+
+
+class Arnoldi(eqx.Module):
+    r"""The Arnoldi decomposition $A Q = Q H + r e_{d-1}^\top$ of
+    [`krylovjax.arnoldi`][].
+
+    **Fields:**
+
+    - `basis`: $Q$, `(n, d)`, orthonormal columns $q_0, \dots, q_{d-1}$ with
+        $q_0 = x_0 / \|x_0\|$ (zero columns after a breakdown).
+    - `hessenberg`: $H = Q^H A Q$, `(d, d)`, upper Hessenberg; its subdiagonal is
+        real and $\ge 0$.
+    - `residual`: $r$, `(n,)`, orthogonal to $Q$; $r / \|r\|$ would be $q_d$.
+    - `norm`: $\|x_0\|$, a real scalar: $x_0 = \|x_0\| Q e_0$.
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+        >>> dec = krylovjax.arnoldi(A, jnp.array([2.0, 0.0]), 2)
+        >>> dec.basis
+        Array([[1., 0.],
+               [0., 1.]], dtype=float32)
+        >>> dec.norm
+        Array(2., dtype=float32)
+
+        ```
+    """
+
+    basis: Inexact[Array, "n d"]
+    hessenberg: Inexact[Array, "d d"]
+    residual: Inexact[Array, " n"]
+    norm: Real[Array, ""]
+
+
+def arnoldi(
+    A: OperatorLike,
+    x0: Inexact[Array | np.ndarray, " n"],
+    d: StaticInt,
+    *,
+    reorthogonalize: bool = True,
+    adjoint: Adjoint = "custom_jvp",
+) -> Arnoldi:
+    r"""Arnoldi's method: an orthonormal basis $Q$ of the Krylov space
+    $\operatorname{span}\{x_0, A x_0, \dots, A^{d-1} x_0\}$ and $H = Q^H A Q$.
+
+    The decomposition satisfies
+
+    $$A Q = Q H + r e_{d-1}^\top, \qquad Q^H Q = I, \qquad Q^H r = 0,
+      \qquad x_0 = \|x_0\|\, Q e_0,$$
+
+    with $H$ upper Hessenberg, so that $f(A) x_0 \approx \|x_0\| Q f(H) e_0$. It is
+    one `lax.scan` of $d$ applications of $A$, each followed by classical
+    Gram-Schmidt against the whole preallocated basis (one matrix-vector product
+    per pass). One derivative rule serves forward mode (`jax.jvp`, `jax.jacfwd`,
+    `jax.linearize`) and reverse mode (`jax.grad`, `jax.vjp`): the exact
+    derivative of the computed algorithm, whose reverse pass keeps only the
+    outputs and runs one reverse scan over one `(n, d)` buffer, with the gradient
+    of the operator as one batched product (the maths is in the module docstring
+    of `krylovjax/_arnoldi.py`).
+
+    **Arguments:**
+
+    - `A`: the operator, any `n x n` operator [`krylovjax.krylov`][] accepts: a
+        square array, a `jax.experimental.sparse.BCOO` matrix, or a linear
+        callable (a closure, an `equinox.Module`, a bound method); gradients reach
+        every floating-point array it holds. A matrix and `x0` are promoted to
+        their common dtype.
+    - `x0`: the starting vector, shape `(n,)`, floating point or complex. For a
+        batch of starting vectors, `jax.vmap` over `x0` (the reverse pass stays
+        the hand-written one, and the gradient of a shared `A` is one product over
+        the whole batch).
+    - `d`: the number of basis vectors, a static Python int, `1 <= d <= n`.
+    - `reorthogonalize`: `True` (default): classical Gram-Schmidt twice (CGS2),
+        orthonormal to rounding whatever $A$ is. `False`: one pass (CGS), half the
+        orthogonalisation work; orthogonality degrades as the basis converges.
+    - `adjoint`: `"custom_jvp"` (default): the rule described above.
+        `"autodiff"`: JAX's own rules through the same `lax.scan`, which in
+        reverse mode saves the basis buffer at every step ($O(n d^2)$ memory).
+
+    **Returns:**
+
+    An [`krylovjax.Arnoldi`][] with `basis` $Q$ `(n, d)`, `hessenberg` $H$
+    `(d, d)`, `residual` $r$ `(n,)` and `norm` $\|x_0\|$ (real).
+
+    **Breakdown.** If $A q_k$ lies in the span of $q_0, \dots, q_k$ (an invariant
+    subspace found after $k + 1 < d$ vectors; numerically: what remains after
+    the orthogonalisation is at most $100\,\varepsilon \|A q_k\|$), then
+    $H_{k+1,k} = 0$ and the later columns of $Q$ and $H$ are zero, so
+    $f(H) e_0$ sees only the leading $(k+1) \times (k+1)$ block, which is exact. A
+    zero `x0` gives all zeros. Values and derivatives stay finite.
+
+    !!! Example
+
+        ```python
+        >>> import jax, jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+        >>> x0 = jnp.array([1.0, 0.0])
+        >>> dec = krylovjax.arnoldi(A, x0, 2)
+        >>> dec.hessenberg
+        Array([[1., 2.],
+               [3., 4.]], dtype=float32)
+        >>> jax.grad(lambda x: krylovjax.arnoldi(A, x, 2).norm)(x0)
+        Array([1., 0.], dtype=float32)
+
+        ```
+    """
+    operator, x0, d = check_problem(A, x0, d, reorthogonalize, adjoint, "arnoldi")
+    reorth = bool(reorthogonalize)
+    if adjoint == "autodiff":
+        Q, H, r, nu = arnoldi_forward(operator, x0, d, reorth)
+    else:
+        Q, H, r, nu = arnoldi_custom_jvp(operator, x0, d, reorth)
+    return Arnoldi(basis=Q.T, hessenberg=H, residual=r, norm=nu)
+
+
+def arnoldi_forward(
+    operator: AbstractOperator, x0: Array, d: int, reorth: bool
+) -> tuple[Array, Array, Array, Array]:
+    """The basis as rows `(d, n)`, $H$, the residual and $\\|x_0\\|$, by one scan."""
+    nu, q0 = normalize(x0)
+    Q = jnp.zeros((d, *x0.shape), x0.dtype).at[0].set(q0)
+
+    def step(carry, k):
+        Q, r = carry
+        w0 = operator.mv(Q[k])
+        h = project(Q, w0)
+        w = w0 - combine(Q, h)
+        if reorth:
+            c = project(Q, w)
+            w = w - combine(Q, c)
+            h = h + c
+        beta, q = next_vector(w, w0)
+        # The last step has no q_d to write: its new vector is the residual.
+        Q = Q.at[k + 1].set(q, mode="drop")
+        return (Q, jnp.where(k == d - 1, w, r)), (h, beta)
+
+    (Q, r), (hs, betas) = lax.scan(step, (Q, jnp.zeros_like(x0)), jnp.arange(d))
+    return Q, _hessenberg(hs, betas), r, nu
+
+
+def _hessenberg(hs: Array, betas: Array) -> Array:
+    """$H$ from the upper parts of its columns `(d, d)` and the step norms `(d,)`
+    (the last is not in $H$)."""
+    return hs.T + jnp.diag(as_dtype(betas[:-1], hs), -1)
+
+
+def _recompute(operator: AbstractOperator, out, reorth: bool):
+    """The per-step primal intermediates, in batch: $W = A Q$ (rows), $h^{(1)}$ and
+    $h^{(2)}$ as columns of `(d, d)` arrays, and $\\beta$ with a zero appended (the
+    last step's new vector is the residual, not normalised)."""
+    Q, H = out[0], out[1]
+    d = Q.shape[0]
+    W = operator.mm(Q)
+    upper = jnp.triu(jnp.ones((d, d), bool))
+    H_upper = jnp.where(upper, H, 0)
+    if reorth:
+        H1 = jnp.where(upper, conj(Q) @ W.T, 0)
+        H2 = H_upper - H1
+    else:
+        H1, H2 = H_upper, None
+    betas = _append_zero(jnp.real(jnp.diagonal(H, -1)))
+    return W, H1, H2, betas
+
+
+def _append_zero(x: Array) -> Array:
+    return jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
+
+
+def _passes(Q, W, H1, H2, k):
+    """`(w^(p-1), h^(p))` of each Gram-Schmidt pass of step `k`."""
+    w, h = W[k], H1[:, k]
+    if H2 is None:
+        return [(w, h)]
+    return [(w, h), (w - combine(Q, h), H2[:, k])]
+
+
+def arnoldi_tangent(operator, out, t_operator, t_x0, reorth):
+    """The tangents of `arnoldi_forward`'s outputs (see the module docstring)."""
+    Q, _, _, nu = out
+    d = Q.shape[0]
+    W, H1, H2, betas = _recompute(operator, out, reorth)
+    U = operator_tangent(operator, t_operator, Q)
+    t_nu, t_q0 = next_tangent(Q[0], nu, t_x0)
+    t_Q = jnp.zeros_like(Q).at[0].set(t_q0)
+    rows = jnp.arange(d)
+
+    def step(carry, k):
+        t_Q, t_r = carry
+        m = rows <= k
+        t_w = operator.mv(t_Q[k])
+        if U is not None:
+            t_w = t_w + U[k]
+        t_h = jnp.zeros_like(H1[:, k])
+        for w_prev, h_p in _passes(Q, W, H1, H2, k):
+            t_hp = jnp.where(m, project(t_Q, w_prev) + project(Q, t_w), 0)
+            t_w = t_w - combine(t_Q, h_p) - combine(Q, t_hp)
+            t_h = t_h + t_hp
+        # At the last step beta = 0 (appended): t_q = 0, not written anyway.
+        t_beta, t_q = next_tangent(Q[k + 1], betas[k], t_w)
+        t_Q = t_Q.at[k + 1].set(t_q, mode="drop")
+        return (t_Q, jnp.where(k == d - 1, t_w, t_r)), (t_h, t_beta)
+
+    carry = (t_Q, jnp.zeros_like(t_q0))
+    (t_Q, t_r), (t_hs, t_betas) = lax.scan(step, carry, jnp.arange(d))
+    return t_Q, _hessenberg(t_hs, t_betas), t_r, t_nu
+
+
+def arnoldi_adjoint(operator, out, ct, reorth):
+    """The transpose of `arnoldi_tangent`: JAX cotangents of $x_0$ and of the stack
+    $A Q$ (rows), by one reverse scan (see the module docstring)."""
+    Q, _, _, nu = out
+    d = Q.shape[0]
+    ct_Q, ct_H, ct_r, ct_nu = ct
+    G_H = conj(ct_H)
+    g_betas = _append_zero(jnp.real(jnp.diagonal(G_H, -1)))
+    W, H1, H2, betas = _recompute(operator, out, reorth)
+    transpose_mv = operator.transpose().mv
+    rows = jnp.arange(d)
+
+    def step(Lam, k):
+        # Lam[k + 1] is the gradient of q_(k+1), or of r at the last step.
+        m = rows <= k
+        g = next_adjoint(Q[k + 1], betas[k], Lam[k + 1], g_betas[k])
+        g = jnp.where(k == d - 1, Lam[k + 1], g)
+        g_h = jnp.where(m, G_H[:, k], 0)
+        left, right = [], []
+        for w_prev, h_p in reversed(_passes(Q, W, H1, H2, k)):
+            a = jnp.where(m, g_h - project(Q, g), 0)
+            left += [-h_p, a]
+            right += [g, w_prev]
+            g = g + combine(Q, a)
+        # The rank-one updates of both passes as one product, on rows 0 .. d - 1.
+        left = jnp.pad(conj(jnp.stack(left)), ((0, 0), (0, 1)))
+        Lam = Lam + left.T @ jnp.stack(right)
+        Lam = Lam.at[k].add(adjoint_mv(transpose_mv, g))
+        # mu_k = g: into the row just read, which no later step reads.
+        return Lam.at[k + 1].set(g), None
+
+    # Rows: the gradients of q_0 .. q_(d-1), and of r.
+    Lam = conj(jnp.concatenate([ct_Q, ct_r[None]]))
+    Lam, _ = lax.scan(step, Lam, jnp.arange(d), reverse=True)
+    g_x0 = next_adjoint(Q[0], nu, Lam[0], ct_nu)
+    return conj(g_x0), conj(Lam[1:])
+
+
+arnoldi_custom_jvp = derivative_rule(
+    "arnoldi", arnoldi_forward, arnoldi_tangent, arnoldi_adjoint
+)

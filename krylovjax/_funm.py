@@ -1,0 +1,490 @@
+r"""`funm_action` and `trace_funm`: matrix functions through a Krylov basis.
+
+Both are thin layers over the decompositions of `_arnoldi.py` and `_lanczos.py`,
+whose derivative rules carry the cost of differentiating through the $d$
+matrix-vector products. What this module adds acts on the small $d \times d$
+matrix only:
+
+- $f(A)\,b \approx \|b\|\, Q\, f(H)\, e_0$, with $A Q = Q H + r e_{d-1}^\top$ from
+  Arnoldi (`f` a matrix function of $H$, differentiated by JAX), or
+  $f(A)\,b \approx \|b\|\, Q\, V f(\Lambda) V^\top e_0$ from Lanczos, with
+  $T = V \Lambda V^\top$ the eigendecomposition of the real symmetric tridiagonal
+  $T$ (`f` a scalar function applied to the eigenvalues);
+- $\operatorname{tr} f(A) \approx \frac1m \sum_i \|z_i\|^2\, e_0^\top f(T_i)\, e_0$,
+  Hutchinson probes $z_i$ with Lanczos quadrature, the probes batched by `jax.vmap`.
+
+The derivative of $c = f(T)\, e_0$ is written by hand (`_funm_e0`), because JAX's
+rule for `eigh` divides by $\lambda_i - \lambda_j$ and gives `nan` at repeated
+eigenvalues, which a breakdown of Lanczos produces (the block of $T$ after the
+breakdown is zero). With $F_{ij} = f[\lambda_i, \lambda_j]$ the first divided
+differences ($f'(\lambda_i)$ on and near the diagonal), the Daleckii--Krein formula
+
+$$\dot c = V \big(F \circ (V^\top \dot T V)\big) V^\top e_0
+  + V \operatorname{diag}(\partial_\theta f(\lambda))\, V^\top e_0$$
+
+holds for repeated eigenvalues as for distinct ones; the second term is the
+derivative with respect to arrays $\theta$ that `f` closes over (a diffusion time,
+say). It is a JVP rule, linear in the tangents, so JAX transposes it for reverse
+mode. Eigenpairs invisible from $e_0$ (their first eigenvector entry below the
+machine epsilon, as after a breakdown) do not contribute to $c$; they are evaluated
+at the Rayleigh quotient $T_{00}$ instead of their own eigenvalue, so that an `f`
+that is infinite there (a logarithm at 0) cannot turn $0 \cdot \infty$ into `nan`.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+from jax.experimental import sparse
+from jaxtyping import Array, Inexact, PRNGKeyArray
+
+from ._arnoldi import arnoldi
+from ._checks import (
+    as_array,
+    check_choice,
+    check_depth,
+    check_inexact,
+    check_size,
+    standard_result_type,
+)
+from ._lanczos import lanczos
+from ._orthogonal import Adjoint, check_problem
+from ._typing import OperatorLike, StaticInt
+
+METHODS = ("lanczos", "arnoldi")
+SAMPLERS = ("rademacher", "normal", "sphere")
+
+
+def funm_action(
+    f: Callable[[Array], Array],
+    A: OperatorLike,
+    b: Inexact[Array | np.ndarray, " n"],
+    d: StaticInt,
+    *,
+    method: Literal["lanczos", "arnoldi"],
+    reorthogonalize: bool = True,
+    adjoint: Adjoint = "custom_jvp",
+) -> Inexact[Array, " n"]:
+    r"""The action $f(A)\, b$ of a matrix function, from $d$ Krylov vectors.
+
+    Builds an orthonormal basis $Q$ of the Krylov space
+    $\operatorname{span}\{b, A b, \dots, A^{d-1} b\}$ and the projection of $A$ onto
+    it, and returns
+
+    $$f(A)\, b \approx \|b\|\, Q\, f(Q^* A Q)\, e_0 .$$
+
+    `method` says which decomposition is used, and so what `f` is:
+
+    - `method="lanczos"`, for symmetric or Hermitian $A$: [`krylovjax.lanczos`][]
+        gives the real tridiagonal $T = Q^* A Q$, and `f` is a **scalar function**,
+        applied elementwise to the eigenvalues of $T$ (`jnp.exp`,
+        `lambda x: x ** -0.5`, `jnp.log`): $f(T) = V f(\Lambda) V^\top$ by `eigh`.
+    - `method="arnoldi"`, for any $A$: [`krylovjax.arnoldi`][] gives the upper
+        Hessenberg $H = Q^* A Q$, and `f` is a **matrix function**, called on the
+        `(d, d)` array $H$ (`jax.scipy.linalg.expm`, or a polynomial or rational
+        function of $H$).
+
+    The two kinds of `f` are not interchangeable, and `method` has no default so that
+    every call says which it passes: `jnp.exp` with `method="arnoldi"` would
+    exponentiate the entries of $H$, not $H$. A scalar function of a non-Hermitian
+    $H$ would need its eigenvectors or Schur form, which JAX computes on the CPU
+    only, so the Arnoldi path takes a matrix function instead. Both paths run on any
+    backend.
+
+    For Hermitian $A$ with spectrum in $[\lambda_{\min}, \lambda_{\max}]$ the error is
+    at most $2\|b\| \min_{p} \max_{\lambda} |f(\lambda) - p(\lambda)|$ over
+    polynomials $p$ of degree $d - 1$ (in exact arithmetic, which
+    re-orthogonalisation keeps close to): it falls geometrically in $d$ for $f$
+    analytic around the spectrum, the faster the further $f$'s singularities are
+    from $[\lambda_{\min}, \lambda_{\max}]$ relative to its width. For $e^{-tA}$,
+    $A$ positive semidefinite, it falls superlinearly once
+    $d \gtrsim \sqrt{t \lambda_{\max}}$; for $A^{-1/2}$ and $\log A$ like
+    $((\sqrt\kappa - 1) / (\sqrt\kappa + 1))^d$ with $\kappa$ the condition number,
+    as for conjugate gradients. The result is exact when the Krylov space is
+    invariant (a breakdown after $k < d$ vectors).
+
+    **Arguments:**
+
+    - `f`: the function, as the table above says. With `method="lanczos"` it is
+        called once on the `(d,)` real eigenvalues of $T$ and must return `(d,)`
+        values, real or complex, computed elementwise (its derivative is taken
+        elementwise); with `method="arnoldi"` it is called on the `(d, d)` matrix
+        $H$ and must return a `(d, d)` array. It may close over arrays (a time
+        step, a shift): gradients reach them.
+    - `A`: the operator, any kind [`krylovjax.krylov`][] accepts: a square array, a
+        `jax.experimental.sparse.BCOO` matrix, or a linear callable. With
+        `method="lanczos"` it must be symmetric (real) or Hermitian (complex); this
+        is not checked.
+    - `b`: the vector, shape `(n,)`, floating point or complex. A zero `b` gives
+        zeros (`f` is then evaluated at the $d \times d$ identity rather than at
+        the zero matrix, where a logarithm is infinite); the approximation is not
+        differentiable in `b` there, being homogeneous but not linear, and its
+        gradient in `b` is whatever the decomposition's rule gives at a zero
+        vector.
+    - `d`: the number of Krylov vectors, a static Python int, `1 <= d <= n`.
+    - `method`: `"lanczos"` or `"arnoldi"`, see above. Required.
+    - `reorthogonalize`: whether the decomposition re-orthogonalises each new vector
+        against all previous ones (default `True`). Without it, Lanczos loses
+        orthogonality once Ritz values converge and the result stalls at a
+        level that depends on $A$; see the docs' page on bases.
+    - `adjoint`: the decomposition's derivative rule, passed on to it: its default
+        `"custom_jvp"` (forward and reverse mode), or `"autodiff"` (JAX's own rules
+        through the loop, to compare against).
+
+    **Returns:**
+
+    $f(A)\, b$ approximated from $d$ vectors, shape `(n,)`, in the dtype that the
+    basis and $f$'s values promote to. Differentiable (forward and reverse mode) in
+    the arrays `A` holds, in `b`, and in the arrays `f` closes over. With
+    `method="lanczos"` the first derivatives of the $d \times d$ part have a rule
+    of their own that stays finite and exact at repeated eigenvalues of $T$ (after a
+    breakdown), where JAX's rule for `eigh` gives `nan`; second derivatives
+    (`jax.hessian`) go through JAX's rule, so they need distinct eigenvalues.
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp, jax.scipy.linalg
+        >>> import krylovjax
+        >>> A = jnp.array([[2.0, 1.0, 0.0], [1.0, 2.0, 1.0], [0.0, 1.0, 2.0]])
+        >>> b = jnp.array([1.0, 0.0, 0.0])
+        >>> y = krylovjax.funm_action(jnp.exp, A, b, 3, method="lanczos")
+        >>> bool(jnp.allclose(y, jax.scipy.linalg.expm(A) @ b, rtol=1e-5))
+        True
+        >>> z = krylovjax.funm_action(jax.scipy.linalg.expm, A, b, 3, method="arnoldi")
+        >>> bool(jnp.allclose(z, y, rtol=1e-5))
+        True
+
+        ```
+    """
+    fn_name = "funm_action"
+    _check_callable(f, f"{fn_name}(f=...)")
+    check_choice(method, METHODS, f"{fn_name}(method=...)")
+    b = as_array(b, f"{fn_name}(b=...)")
+    if b.ndim != 1:
+        msg = (
+            f"`{fn_name}(b=...)` must be one vector of shape (n,); got shape {b.shape}."
+        )
+        raise ValueError(msg)
+    # The decomposition checks its arguments again; this names `funm_action`.
+    _, b_promoted, d = check_problem(A, b, d, reorthogonalize, adjoint, fn_name)
+    arg = f"{fn_name}(f=...)"
+    # For a zero `b` the small matrix is evaluated as the identity instead (its
+    # result is multiplied by zero): f(0) may be infinite, log(0) say.
+    if method == "lanczos":
+        fn = _scalar_function(f, d, jnp.finfo(b_promoted.dtype).dtype, arg)
+        dec = lanczos(A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
+        nonzero = dec.norm > 0
+        diagonal = jnp.where(nonzero, dec.diagonal, jnp.ones_like(dec.diagonal))
+        off_diagonal = jnp.where(
+            nonzero, dec.off_diagonal, jnp.zeros_like(dec.off_diagonal)
+        )
+        coefficients = _funm_e0(fn, diagonal, off_diagonal)
+    else:
+        square = jax.ShapeDtypeStruct((d, d), b_promoted.dtype)
+        what = f"the ({d}, {d}) matrix H to a ({d}, {d}) array"
+        _check_output(jax.eval_shape(f, square), (d, d), arg, what)
+        dec = arnoldi(A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
+        H = jnp.where(dec.norm > 0, dec.hessenberg, jnp.eye(d, dtype=square.dtype))
+        coefficients = f(H)[:, 0]
+    dtype = standard_result_type(dec.basis.dtype, coefficients.dtype)
+    scaled = coefficients.astype(dtype) * dec.norm.astype(dtype)
+    return dec.basis.astype(dtype) @ scaled
+
+
+def trace_funm(
+    f: Callable[[Array], Array],
+    A: OperatorLike,
+    key: PRNGKeyArray,
+    d: StaticInt,
+    *,
+    num_probes: StaticInt,
+    sampler: Literal["rademacher", "normal", "sphere"] = "rademacher",
+    like: Inexact[Array | np.ndarray, " n"] | jax.ShapeDtypeStruct | None = None,
+    reorthogonalize: bool = True,
+    adjoint: Adjoint = "custom_jvp",
+) -> Inexact[Array, ""]:
+    r"""A stochastic estimate of $\operatorname{tr} f(A)$ for symmetric or
+    Hermitian $A$: Hutchinson probes with Lanczos quadrature.
+
+    With $m$ probes $z_i$ drawn so that $\mathbb E[z z^\top] = I$, and $T_i$ the
+    tridiagonal matrix of $d$ Lanczos steps from $z_i$,
+
+    $$\operatorname{tr} f(A) = \mathbb E[z^\top f(A)\, z]
+      \approx \frac1m \sum_{i=1}^m \|z_i\|^2\, e_0^\top f(T_i)\, e_0 .$$
+
+    Each term is a $d$-point Gauss quadrature of $z_i^\top f(A)\, z_i$ (Ubaru, Chen
+    and Saad, 2017). The $m$ Lanczos runs are one `jax.vmap`, so they cost $m$
+    matrix-vector products per step in one batched call, and memory for $m$ bases
+    of $n \times d$ (split a large $m$ over several calls with different keys and
+    average).
+
+    **Variance.** For fixed quadrature, the estimate is a mean of $m$ independent
+    terms. With $M = f(A)$ real symmetric, one term's variance is
+    $2 \sum_{i \ne j} M_{ij}^2 = 2(\|M\|_F^2 - \sum_i M_{ii}^2)$ for Rademacher
+    probes, $2\|M\|_F^2$ for Gaussian probes, and
+    $\frac{2n}{n+2}(\|M\|_F^2 - (\operatorname{tr} M)^2/n)$ for probes on the
+    sphere of radius $\sqrt n$; divide by $m$ for the estimate's. (For complex
+    Hermitian $A$ the probes are real, and $M$ is replaced by its real part.) The
+    standard error thus falls like $1/\sqrt m$; it is small relative to the trace
+    when $f(A)$ is dominated by its diagonal, and large when, say, $f(A)$ has a few
+    large eigenvalues with delocalised eigenvectors.
+
+    **Bias.** The Hutchinson estimate is unbiased; the quadrature is not. Each
+    quadrature is exact for polynomials of degree $2d - 1$, so its error is at most
+    $2\|z_i\|^2 \min_p \max_{\lambda} |f(\lambda) - p(\lambda)|$ over such $p$ on
+    $[\lambda_{\min}, \lambda_{\max}]$ (exact arithmetic): for $\log$ of an SPD
+    matrix with condition number $\kappa$ it falls like
+    $((\sqrt\kappa - 1)/(\sqrt\kappa + 1))^{2d}$. It is exact when $d$ reaches the
+    number of distinct eigenvalues. The gradient is the exact gradient of the
+    estimate for the drawn probes, so its expectation is the gradient of
+    $\operatorname{tr} f(A)$ plus the gradient of the quadrature bias: for training
+    (`log det` of a kernel matrix, say) it is unbiased up to that, and its noise is
+    that of a fresh key per step.
+
+    **Arguments:**
+
+    - `f`: a scalar function applied elementwise to eigenvalues, as with
+        `funm_action(..., method="lanczos")`: called on the `(d,)` real eigenvalues
+        of each $T_i$, it returns `(d,)` values. It may close over arrays.
+    - `A`: a symmetric (real) or Hermitian (complex) operator of any kind
+        [`krylovjax.krylov`][] accepts (not checked).
+    - `key`: a JAX PRNG key. The probes are
+        `jax.random.rademacher(key, (num_probes, n), dtype)` (`sampler="rademacher"`)
+        or `jax.random.normal(key, (num_probes, n), dtype)` (`"normal"`, and
+        `"sphere"`, which rescales each row to norm $\sqrt n$), with `dtype` the
+        real dtype of the operator, so the same key gives the same probes.
+    - `d`: the number of Lanczos steps per probe, a static Python int,
+        `1 <= d <= n`.
+    - `num_probes`: the number $m$ of probes, a static Python `int >= 1`.
+    - `sampler`: the probe distribution, `"rademacher"` (default; entries $\pm 1$,
+        the smallest variance of the three for most $f(A)$), `"normal"` or
+        `"sphere"` (normalised Gaussian).
+    - `like`: an array or `jax.ShapeDtypeStruct` of shape `(n,)` whose dtype the
+        probes are promoted with, as `x0` is in [`krylovjax.krylov`][]. Required
+        when `A` is a callable (which does not say its size); for a matrix the
+        default is its own dtype.
+    - `reorthogonalize`, `adjoint`: passed on to [`krylovjax.lanczos`][].
+
+    **Returns:**
+
+    The estimate, a scalar of $f$'s dtype promoted with the real dtype of $A$:
+    real for a real-valued $f$. Differentiable (forward and reverse mode) in the
+    arrays `A` holds and those `f` closes over.
+
+    !!! Example
+
+        ```python
+        >>> import jax, jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.diag(jnp.array([1.0, 2.0, 3.0, 4.0]))
+        >>> key = jax.random.key(0)
+        >>> est = krylovjax.trace_funm(jnp.log, A, key, 4, num_probes=8)
+        >>> bool(jnp.allclose(est, jnp.log(24.0), rtol=1e-5))  # diagonal: exact
+        True
+        >>> grad = jax.grad(krylovjax.trace_funm, argnums=1)(jnp.log, A, key, 4,
+        ...                                                   num_probes=8)
+        >>> jnp.round(jnp.diag(grad), 4)  # the diagonal of A^{-1}
+        Array([1.    , 0.5   , 0.3333, 0.25  ], dtype=float32)
+
+        ```
+    """
+    fn_name = "trace_funm"
+    _check_callable(f, f"{fn_name}(f=...)")
+    d = check_depth(d, fn_name)
+    num_probes = check_size(
+        num_probes, f"{fn_name}(num_probes=...)", what="the number of probes"
+    )
+    check_choice(sampler, SAMPLERS, f"{fn_name}(sampler=...)")
+    _check_key(key, f"{fn_name}(key=...)")
+    n, dtype = _probe_structure(A, like, fn_name)
+    check_problem(A, jnp.zeros((n,), dtype), d, reorthogonalize, adjoint, fn_name)
+    real = jnp.finfo(dtype).dtype
+    probes = _draw(key, sampler, num_probes, n, real).astype(dtype)
+    fn = _scalar_function(f, d, real, f"{fn_name}(f=...)")
+
+    def quadrature(z):
+        dec = lanczos(A, z, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
+        c = _funm_e0(fn, dec.diagonal, dec.off_diagonal)[0]
+        return (dec.norm * dec.norm).astype(c.dtype) * c
+
+    return jnp.mean(jax.vmap(quadrature)(probes))
+
+
+# ------------------------------------------------------------- the small matrix
+
+
+@eqx.filter_custom_jvp
+def _funm_e0(fn: Callable, diagonal: Array, off_diagonal: Array) -> Array:
+    r"""$f(T)\, e_0$ for the real symmetric tridiagonal $T$, by `eigh`."""
+    lam, V, weights = _eigh(diagonal, off_diagonal)
+    values = fn(lam)
+    dtype = values.dtype
+    return V.astype(dtype) @ (values * weights.astype(dtype))
+
+
+@_funm_e0.def_jvp
+def _funm_e0_jvp(primals, tangents):
+    fn, diagonal, off_diagonal = primals
+    t_fn, t_diagonal, t_off_diagonal = tangents
+    lam, V, weights = _eigh(diagonal, off_diagonal)
+    values, derivatives = jax.jvp(fn, (lam,), (jnp.ones_like(lam),))
+    dtype = values.dtype
+    Vc, wc = V.astype(dtype), weights.astype(dtype)
+    out = Vc @ (values * wc)
+
+    terms = jnp.zeros_like(values)
+    if t_diagonal is not None or t_off_diagonal is not None:
+        zero_diag = jnp.zeros_like(diagonal)
+        zero_off = jnp.zeros_like(off_diagonal)
+        dT = _tridiagonal(
+            zero_diag if t_diagonal is None else t_diagonal,
+            zero_off if t_off_diagonal is None else t_off_diagonal,
+        )
+        E = (V.T @ dT @ V).astype(dtype)
+        F = _divided_differences(lam, values, derivatives)
+        terms = (F * E) @ wc
+    if any(t is not None for t in jtu.tree_leaves(t_fn)):
+        diff, static = eqx.partition(fn, eqx.is_inexact_array)
+        t_diff = jtu.tree_map(
+            lambda p, t: None if p is None else (jnp.zeros_like(p) if t is None else t),
+            diff,
+            t_fn,
+            is_leaf=lambda x: x is None,
+        )
+        _, dvalues = jax.jvp(
+            lambda diff: eqx.combine(diff, static)(lam), (diff,), (t_diff,)
+        )
+        terms = terms + dvalues.astype(dtype) * wc
+    return out, Vc @ terms
+
+
+def _eigh(diagonal: Array, off_diagonal: Array) -> tuple[Array, Array, Array]:
+    """Eigenvalues, eigenvectors and first eigenvector entries of T, with the
+    eigenvalues that $e_0$ does not see replaced by $T_{00}$."""
+    lam, V = jnp.linalg.eigh(_tridiagonal(diagonal, off_diagonal))
+    weights = V[0]
+    hidden = jnp.abs(weights) <= jnp.finfo(lam.dtype).eps
+    return jnp.where(hidden, diagonal[0], lam), V, weights
+
+
+def _tridiagonal(diagonal: Array, off_diagonal: Array) -> Array:
+    return jnp.diag(diagonal) + jnp.diag(off_diagonal, 1) + jnp.diag(off_diagonal, -1)
+
+
+def _divided_differences(lam: Array, values: Array, derivatives: Array) -> Array:
+    r"""$F_{ij} = (f(\lambda_i) - f(\lambda_j)) / (\lambda_i - \lambda_j)$, and the
+    mean of $f'(\lambda_i)$ and $f'(\lambda_j)$ where the eigenvalues are closer
+    than $\epsilon^{1/3}$ times the largest: there the quotient would lose digits to
+    cancellation, and the mean is within $O(|\lambda_i - \lambda_j|^2)$ of it."""
+    gap = lam[:, None] - lam[None, :]
+    scale = jnp.maximum(jnp.max(jnp.abs(lam)), jnp.finfo(lam.dtype).tiny)
+    close = jnp.abs(gap) <= jnp.finfo(lam.dtype).eps ** (1 / 3) * scale
+    safe_gap = jnp.where(close, jnp.ones_like(gap), gap).astype(values.dtype)
+    quotient = (values[:, None] - values[None, :]) / safe_gap
+    mean = (derivatives[:, None] + derivatives[None, :]) / 2
+    return jnp.where(close, mean, quotient)
+
+
+# --------------------------------------------------------------------- checks
+
+
+def _scalar_function(f: Callable, d: int, real: Any, arg: str) -> Callable:
+    """`f` closure-converted on `(d,)` eigenvalues; its output checked."""
+    example = jnp.zeros((d,), real)
+    fn = eqx.filter_closure_convert(f, example)
+    out = jax.eval_shape(fn, example)
+    _check_output(out, (d,), arg, f"the ({d},) eigenvalues of T to ({d},) values")
+    return fn
+
+
+def _check_output(out: Any, shape: tuple[int, ...], arg: str, what: str) -> None:
+    if not isinstance(out, jax.ShapeDtypeStruct):
+        msg = f"`{arg}` must map {what}; it returned a pytree {out}."
+        raise TypeError(msg)
+    if out.shape != shape:
+        msg = f"`{arg}` must map {what}; it returned shape {out.shape}."
+        raise ValueError(msg)
+    if not jnp.issubdtype(out.dtype, jnp.inexact):
+        msg = (
+            f"`{arg}` must map {what} of a floating-point or complex dtype; it "
+            f"returned dtype {out.dtype}."
+        )
+        raise TypeError(msg)
+
+
+def _check_callable(f: Any, arg: str) -> None:
+    if not callable(f):
+        msg = f"`{arg}` must be a callable; got an object of type {type(f).__name__}."
+        raise TypeError(msg)
+
+
+def _check_key(key: Any, arg: str) -> None:
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(
+        key.dtype, jax.dtypes.prng_key
+    )
+    raw = (
+        isinstance(key, jax.Array)
+        and key.dtype == jnp.uint32
+        and key.shape in ((2,), (4,))
+    )
+    if not (typed and key.shape == ()) and not raw:
+        what = getattr(key, "dtype", type(key).__name__)
+        shape = getattr(key, "shape", None)
+        msg = (
+            f"`{arg}` must be one JAX PRNG key, e.g. `jax.random.key(0)`; got "
+            f"{what}" + ("" if shape is None else f" of shape {shape}") + "."
+        )
+        raise TypeError(msg)
+
+
+def _probe_structure(A: Any, like: Any, fn_name: str) -> tuple[int, Any]:
+    """The size and dtype of the probes: a matrix's own, promoted with `like`'s."""
+    if like is not None:
+        if not isinstance(like, jax.ShapeDtypeStruct):
+            like = as_array(like, f"{fn_name}(like=...)")
+        check_inexact(like, f"{fn_name}(like=...)")
+        if len(like.shape) != 1:
+            msg = (
+                f"`{fn_name}(like=...)` must have shape (n,), that of one probe; got "
+                f"shape {tuple(like.shape)}."
+            )
+            raise ValueError(msg)
+    if isinstance(A, sparse.BCOO | jax.Array | np.ndarray):
+        arg = f"{fn_name}(A=...)"
+        check_inexact(A.data if isinstance(A, sparse.BCOO) else A, arg)
+        if len(A.shape) != 2 or A.shape[0] != A.shape[1]:
+            msg = f"`{arg}` must be a square matrix; got shape {tuple(A.shape)}."
+            raise ValueError(msg)
+        if like is None:
+            return A.shape[0], A.dtype
+        if tuple(like.shape) != (A.shape[0],):
+            msg = (
+                f"`{fn_name}(like=...)` must have shape ({A.shape[0]},) to match `A`; "
+                f"got shape {tuple(like.shape)}."
+            )
+            raise ValueError(msg)
+        return A.shape[0], standard_result_type(A.dtype, like.dtype)
+    if like is None:
+        msg = (
+            f"`{fn_name}(like=...)` is required when `A` is a callable, which does not "
+            f"say the size and dtype of its input: pass an array or "
+            f"`jax.ShapeDtypeStruct((n,), dtype)`."
+        )
+        raise TypeError(msg)
+    return like.shape[0], like.dtype
+
+
+def _draw(key: Array, sampler: str, m: int, n: int, real: Any) -> Array:
+    if sampler == "rademacher":
+        return jr.rademacher(key, (m, n), real)
+    z = jr.normal(key, (m, n), real)
+    if sampler == "sphere":
+        norms = jnp.linalg.norm(z, axis=1, keepdims=True)
+        z = z * (jnp.sqrt(jnp.asarray(n, real)) / norms)
+    return z

@@ -1,0 +1,370 @@
+r"""`lanczos`: an orthonormal Krylov basis of a symmetric or Hermitian operator and
+its tridiagonal matrix, with exact, memory-lean derivatives.
+
+**Forward pass.** With $q_0 = x_0 / \nu$, $\nu = \|x_0\|$, $q_{-1} = 0$ and
+$\beta_{-1} = 0$, step $k = 0, \dots, d-1$ of one `lax.scan` computes
+
+$$u = A q_k - \beta_{k-1} q_{k-1}, \quad
+  \alpha_k = \operatorname{Re}\langle q_k, u\rangle, \quad
+  w^{(1)} = u - \alpha_k q_k, \quad
+  c = Q_k^H w^{(1)}, \quad w^{(2)} = w^{(1)} - Q_k c,$$
+
+(the last two only with `reorthogonalize=True`: the three-term recurrence is a
+first, local Gram-Schmidt pass, and a classical Gram-Schmidt pass against the
+whole preallocated basis buffer is the second; $c$ is rounding-sized and is not
+kept), $\beta_k = \|w^{(2)}\|$ and $q_{k+1} = w^{(2)} / \beta_k$ (at the last step
+the residual $r = w^{(2)}$). Breakdown (`_orthogonal.py`): $\beta_k = 0$ and
+$q_{k+1} = 0$.
+
+**Tangents** (`lanczos_tangent`). Differentiating each line,
+
+$$\dot u = A \dot q_k + \dot A q_k - \dot\beta_{k-1} q_{k-1}
+  - \beta_{k-1} \dot q_{k-1}, \quad
+  \dot\alpha_k = \operatorname{Re}(\langle \dot q_k, u\rangle
+  + \langle q_k, \dot u\rangle), \quad
+  \dot w^{(1)} = \dot u - \dot\alpha_k q_k - \alpha_k \dot q_k,$$
+
+$$\dot c = m_k \odot (\dot Q^H w^{(1)} + Q^H \dot w^{(1)}), \quad
+  \dot w^{(2)} = \dot w^{(1)} - \dot Q c - Q \dot c,$$
+
+then $\dot\beta_k$ and $\dot q_{k+1}$ as for Arnoldi. The primal intermediates are
+recomputed in batch from the outputs: $W^{(1)} = A Q - \beta_{k-1} q_{k-1}
+- \alpha_k q_k$ row by row (one batched product), $u = w^{(1)} + \alpha_k q_k$,
+and $c$ as the columns of the upper triangle of $Q^H W^{(1)}$.
+
+**Adjoint** (`lanczos_adjoint`, the transpose of the tangent map). With Riesz
+gradients $G_Q$, $g_\alpha$, $g_\beta$, $g_r$, $g_\nu$ of the outputs, the buffer
+$\Lambda$ of $d + 1$ rows (the gradients $\lambda_j$ of $\dot q_j$, then that of
+$\dot r$) starts as $[G_Q; g_r]$, and one reverse scan runs $k = d-1, \dots, 0$
+carrying $\gamma_k$, the gradient of $\dot\beta_k$ from step $k+1$
+($\gamma_{d-1} = 0$):
+
+$$g = \begin{cases} \lambda_d = g_r & k = d-1 \\
+  \lambda_{k+1} / \beta_k + \big((g_\beta)_k + \gamma_k
+  - \operatorname{Re}\langle q_{k+1}, \lambda_{k+1}\rangle / \beta_k\big)\,
+  q_{k+1} & k < d-1 \end{cases}$$
+
+with re-orthogonalisation, $a = -m_k \odot Q^H g$,
+$\Lambda \mathrel{+}= \overline{a}\, {w^{(1)}}^\top - \overline{c}\, g^\top$ and
+$g \mathrel{+}= Q a$; then, with $\eta = (g_\alpha)_k -
+\operatorname{Re}\langle q_k, g\rangle$ and $\mu_k = g + \eta\, q_k$ (the
+gradient of $\dot u$),
+
+$$\lambda_k \mathrel{+}= A^H \mu_k - \alpha_k g + \eta\, u, \qquad
+  \lambda_{k-1} \mathrel{-}= \beta_{k-1} \mu_k, \qquad
+  \gamma_{k-1} = -\operatorname{Re}\langle q_{k-1}, \mu_k\rangle.$$
+
+$\mu_k$ is also the gradient of $\dot A q_k$: it is written into the row
+$\lambda_{k+1}$, which no later (smaller) step reads, so the buffer ends as
+$[\lambda_0, \mu_0, \dots, \mu_{d-1}]$. Then, as for Arnoldi,
+
+$$g_{x_0} = \lambda_0 / \nu + (g_\nu - \operatorname{Re}\langle q_0, \lambda_0
+  \rangle / \nu)\, q_0, \qquad
+  \bar A = \sum_{k=0}^{d-1} \mu_k q_k^H \;\; \text{(one batched product)}.$$
+
+Without re-orthogonalisation each reverse step is $O(n)$ work plus one product
+with $A^H$, like the forward step. The residuals are the outputs and the
+operator; the temporaries are a few $n \times d$ arrays, never one per step.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Inexact, Real
+
+from ._operator import AbstractOperator
+from ._orthogonal import (
+    Adjoint,
+    adjoint_mv,
+    as_dtype,
+    check_problem,
+    combine,
+    conj,
+    derivative_rule,
+    next_adjoint,
+    next_tangent,
+    next_vector,
+    normalize,
+    operator_tangent,
+    project,
+    real_dot,
+)
+from ._typing import OperatorLike, StaticInt
+
+
+class Lanczos(eqx.Module):
+    r"""The Lanczos decomposition $A Q = Q T + r e_{d-1}^\top$ of
+    [`krylovjax.lanczos`][], with $T$ real, symmetric and tridiagonal.
+
+    **Fields:**
+
+    - `basis`: $Q$, `(n, d)`, orthonormal columns with $q_0 = x_0 / \|x_0\|$ (zero
+        columns after a breakdown).
+    - `diagonal`: $\alpha$, `(d,)`, real: $T_{kk} = \alpha_k$.
+    - `off_diagonal`: $\beta$, `(d - 1,)`, real and $\ge 0$:
+        $T_{k+1,k} = T_{k,k+1} = \beta_k$.
+    - `residual`: $r$, `(n,)`.
+    - `norm`: $\|x_0\|$, a real scalar.
+
+    `matrix()` returns the dense `(d, d)` matrix $T$.
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.array([[2.0, 1.0], [1.0, 3.0]])
+        >>> dec = krylovjax.lanczos(A, jnp.array([1.0, 0.0]), 2)
+        >>> dec.diagonal, dec.off_diagonal
+        (Array([2., 3.], dtype=float32), Array([1.], dtype=float32))
+        >>> dec.matrix()
+        Array([[2., 1.],
+               [1., 3.]], dtype=float32)
+
+        ```
+    """
+
+    basis: Inexact[Array, "n d"]
+    diagonal: Real[Array, " d"]
+    off_diagonal: Real[Array, " d-1"]
+    residual: Inexact[Array, " n"]
+    norm: Real[Array, ""]
+
+    def matrix(self) -> Real[Array, "*batch d d"]:
+        """The tridiagonal matrix $T$, `(d, d)` (with any leading batch axes of the
+        fields, as after `jax.vmap`)."""
+        return jnp.vectorize(_tridiagonal, signature="(d),(e)->(d,d)")(
+            self.diagonal, self.off_diagonal
+        )
+
+
+def _tridiagonal(diagonal: Array, off: Array) -> Array:
+    return jnp.diag(diagonal) + jnp.diag(off, 1) + jnp.diag(off, -1)
+
+
+def lanczos(
+    A: OperatorLike,
+    x0: Inexact[Array | np.ndarray, " n"],
+    d: StaticInt,
+    *,
+    reorthogonalize: bool = True,
+    adjoint: Adjoint = "custom_jvp",
+) -> Lanczos:
+    r"""Lanczos's method for a symmetric (or Hermitian) $A$: an orthonormal basis
+    $Q$ of the Krylov space $\operatorname{span}\{x_0, \dots, A^{d-1} x_0\}$ and the
+    tridiagonal $T = Q^H A Q$.
+
+    The decomposition satisfies
+
+    $$A Q = Q T + r e_{d-1}^\top, \qquad Q^H Q = I, \qquad x_0 = \|x_0\|\, Q e_0,$$
+
+    with $T$ real symmetric tridiagonal, so that $f(A) x_0 \approx \|x_0\| Q f(T)
+    e_0$ and $x_0^H f(A) x_0 \approx \|x_0\|^2 e_0^\top f(T) e_0$ (Lanczos
+    quadrature). The eigenvalues of $T$ (Ritz values) approximate those of $A$;
+    with $d = n$ and re-orthogonalisation they are those of $A$ to rounding. It is
+    one `lax.scan` of $d$ applications of $A$. One derivative rule serves forward
+    mode (`jax.jvp`, `jax.jacfwd`, `jax.linearize`) and reverse mode (`jax.grad`,
+    `jax.vjp`): the exact derivative of the computed algorithm, whose reverse pass
+    keeps only the outputs and runs one reverse scan over one `(n, d)` buffer, with
+    the gradient of the operator as one batched product (the maths is in the
+    module docstring of `krylovjax/_lanczos.py`).
+
+    **Arguments:**
+
+    - `A`: a symmetric (real) or Hermitian (complex) operator, any kind
+        [`krylovjax.krylov`][] accepts: a square array, a
+        `jax.experimental.sparse.BCOO` matrix, or a linear callable; gradients
+        reach every floating-point array it holds. Symmetry is not checked: for a
+        non-symmetric `A` the result is not a decomposition of `A` (use
+        [`krylovjax.arnoldi`][]). The derivative is that of the computed
+        algorithm with respect to every entry of `A`, symmetric or not.
+    - `x0`: the starting vector, shape `(n,)`, floating point or complex. For a
+        batch of starting vectors (Hutchinson probes, say), `jax.vmap` over `x0`.
+    - `d`: the number of basis vectors, a static Python int, `1 <= d <= n`.
+    - `reorthogonalize`: `True` (default): after the three-term recurrence, one
+        classical Gram-Schmidt pass against the whole basis (Gram-Schmidt twice,
+        counting the recurrence), so $Q$ stays orthonormal to rounding and no
+        spurious copies of converged Ritz values appear; each step costs two extra
+        products with the basis. `False`: the plain three-term recurrence, $O(n)$
+        work per step besides $A q_k$; orthogonality is lost as Ritz values
+        converge.
+    - `adjoint`: `"custom_jvp"` (default): the rule described above.
+        `"autodiff"`: JAX's own rules through the same `lax.scan` (with
+        re-orthogonalisation, reverse mode saves the basis buffer at every step).
+
+    **Returns:**
+
+    A [`krylovjax.Lanczos`][] with `basis` $Q$ `(n, d)`, `diagonal` $\alpha$
+    `(d,)` and `off_diagonal` $\beta$ `(d - 1,)` (both real), `residual` $r$
+    `(n,)` and `norm` $\|x_0\|$; `matrix()` gives $T$.
+
+    **Breakdown.** If $A q_k$ lies in the span of $q_0, \dots, q_k$ (an invariant
+    subspace after $k + 1 < d$ vectors, such as $x_0$ a combination of $k + 1$
+    eigenvectors; numerically: what remains is at most $100\,\varepsilon \|A
+    q_k\|$), then $\beta_k = 0$ and the later entries of $Q$, $\alpha$ and $\beta$
+    are zero: $T$ is block diagonal and $f(T) e_0$ sees only its exact leading
+    block. A zero `x0` gives all zeros. Values and derivatives stay finite.
+
+    !!! Example
+
+        ```python
+        >>> import jax, jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.array([[2.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 4.0]])
+        >>> x0 = jnp.array([1.0, 0.0, 0.0])
+        >>> krylovjax.lanczos(A, x0, 3).matrix()
+        Array([[2., 1., 0.],
+               [1., 3., 1.],
+               [0., 1., 4.]], dtype=float32)
+        >>> # d = n: trace(T) = trace(A), so its gradient is the identity.
+        >>> jax.grad(lambda A: krylovjax.lanczos(A, x0, 3).diagonal.sum())(A)
+        Array([[1., 0., 0.],
+               [0., 1., 0.],
+               [0., 0., 1.]], dtype=float32)
+
+        ```
+    """
+    operator, x0, d = check_problem(A, x0, d, reorthogonalize, adjoint, "lanczos")
+    reorth = bool(reorthogonalize)
+    if adjoint == "autodiff":
+        Q, alpha, beta, r, nu = lanczos_forward(operator, x0, d, reorth)
+    else:
+        Q, alpha, beta, r, nu = lanczos_custom_jvp(operator, x0, d, reorth)
+    return Lanczos(basis=Q.T, diagonal=alpha, off_diagonal=beta, residual=r, norm=nu)
+
+
+def lanczos_forward(
+    operator: AbstractOperator, x0: Array, d: int, reorth: bool
+) -> tuple[Array, Array, Array, Array, Array]:
+    """The basis as rows `(d, n)`, $\\alpha$, $\\beta$, the residual and
+    $\\|x_0\\|$, by one scan."""
+    nu, q0 = normalize(x0)
+    Q = jnp.zeros((d, *x0.shape), x0.dtype).at[0].set(q0)
+
+    def step(carry, k):
+        Q, beta_prev, r = carry
+        q = Q[k]
+        w0 = operator.mv(q)
+        u = w0 - as_dtype(beta_prev, q) * Q[jnp.maximum(k - 1, 0)]
+        alpha = real_dot(q, u)
+        w = u - as_dtype(alpha, q) * q
+        if reorth:
+            w = w - combine(Q, project(Q, w))
+        beta, q = next_vector(w, w0)
+        # The last step has no q_d to write: its new vector is the residual.
+        Q = Q.at[k + 1].set(q, mode="drop")
+        return (Q, beta, jnp.where(k == d - 1, w, r)), (alpha, beta)
+
+    carry = (Q, jnp.zeros((), nu.dtype), jnp.zeros_like(x0))
+    (Q, _, r), (alpha, beta) = lax.scan(step, carry, jnp.arange(d))
+    return Q, alpha, beta[:-1], r, nu
+
+
+def _append_zero(x: Array) -> Array:
+    return jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
+
+
+def _recompute(operator: AbstractOperator, out, reorth: bool):
+    r"""The per-step primal intermediates, in batch: $W^{(1)}$ (rows), $\beta_{k-1}$
+    and $\beta_k$ by step (zero where there is none), and the
+    re-orthogonalisation coefficients $c$ as columns."""
+    Q, alpha, beta = out[0], out[1], out[2]
+    d = Q.shape[0]
+    beta_prev = jnp.concatenate([jnp.zeros((1,), beta.dtype), beta])
+    Q_prev = jnp.concatenate([jnp.zeros_like(Q[:1]), Q[:-1]])
+    W1 = (
+        operator.mm(Q)
+        - as_dtype(beta_prev, Q)[:, None] * Q_prev
+        - as_dtype(alpha, Q)[:, None] * Q
+    )
+    C = None
+    if reorth:
+        C = jnp.where(jnp.triu(jnp.ones((d, d), bool)), conj(Q) @ W1.T, 0)
+    return W1, beta_prev, _append_zero(beta), C
+
+
+def lanczos_tangent(operator, out, t_operator, t_x0, reorth):
+    """The tangents of `lanczos_forward`'s outputs (see the module docstring)."""
+    Q, alpha, _, _, nu = out
+    d = Q.shape[0]
+    W1, beta_prev, beta, C = _recompute(operator, out, reorth)
+    U = operator_tangent(operator, t_operator, Q)
+    t_nu, t_q0 = next_tangent(Q[0], nu, t_x0)
+    t_Q = jnp.zeros_like(Q).at[0].set(t_q0)
+    rows = jnp.arange(d)
+
+    def step(carry, k):
+        t_Q, t_beta_prev, t_r = carry
+        q, w, a = Q[k], W1[k], as_dtype(alpha[k], Q)
+        u = w + a * q
+        previous = jnp.maximum(k - 1, 0)
+        t_q = t_Q[k]
+        t_u = (
+            operator.mv(t_q)
+            - as_dtype(t_beta_prev, q) * Q[previous]
+            - as_dtype(beta_prev[k], q) * t_Q[previous]
+        )
+        if U is not None:
+            t_u = t_u + U[k]
+        t_alpha = real_dot(t_q, u) + real_dot(q, t_u)
+        t_w = t_u - as_dtype(t_alpha, q) * q - a * t_q
+        if C is not None:
+            t_c = jnp.where(rows <= k, project(t_Q, w) + project(Q, t_w), 0)
+            t_w = t_w - combine(t_Q, C[:, k]) - combine(Q, t_c)
+        # At the last step beta = 0 (appended): t_q = 0, not written anyway.
+        t_beta, t_q = next_tangent(Q[k + 1], beta[k], t_w)
+        t_Q = t_Q.at[k + 1].set(t_q, mode="drop")
+        carry = (t_Q, t_beta, jnp.where(k == d - 1, t_w, t_r))
+        return carry, (t_alpha, t_beta)
+
+    carry = (t_Q, jnp.zeros((), nu.dtype), jnp.zeros_like(t_q0))
+    (t_Q, _, t_r), (t_alpha, t_beta) = lax.scan(step, carry, jnp.arange(d))
+    return t_Q, t_alpha, t_beta[:-1], t_r, t_nu
+
+
+def lanczos_adjoint(operator, out, ct, reorth):
+    """The transpose of `lanczos_tangent`: JAX cotangents of $x_0$ and of the stack
+    $A Q$ (rows), by one reverse scan (see the module docstring)."""
+    Q, alpha, _, _, nu = out
+    d = Q.shape[0]
+    ct_Q, ct_alpha, ct_beta, ct_r, ct_nu = ct
+    ct_beta = _append_zero(ct_beta)
+    W1, beta_prev, beta, C = _recompute(operator, out, reorth)
+    transpose_mv = operator.transpose().mv
+    rows = jnp.arange(d)
+
+    def step(carry, k):
+        # Lam[k + 1] is the gradient of q_(k+1), or of r at the last step; gamma
+        # that of beta_k through step k + 1.
+        Lam, gamma = carry
+        g = next_adjoint(Q[k + 1], beta[k], Lam[k + 1], ct_beta[k] + gamma)
+        g = jnp.where(k == d - 1, Lam[k + 1], g)
+        q, w, a = Q[k], W1[k], as_dtype(alpha[k], Q)
+        if C is not None:
+            coef = jnp.where(rows <= k, -project(Q, g), 0)
+            left = jnp.pad(conj(jnp.stack([-C[:, k], coef])), ((0, 0), (0, 1)))
+            Lam = Lam + left.T @ jnp.stack([g, w])
+            g = g + combine(Q, coef)
+        eta = ct_alpha[k] - real_dot(q, g)
+        mu = g + as_dtype(eta, q) * q
+        u = w + a * q
+        previous = jnp.maximum(k - 1, 0)
+        lam_k = adjoint_mv(transpose_mv, mu) - a * g + as_dtype(eta, q) * u
+        Lam = Lam.at[k].add(lam_k)
+        Lam = Lam.at[previous].add(-as_dtype(beta_prev[k], q) * mu)
+        gamma = jnp.where(k > 0, -real_dot(Q[previous], mu), 0)
+        # mu_k: into the row just read, which no later step reads.
+        return (Lam.at[k + 1].set(mu), gamma), None
+
+    # Rows: the gradients of q_0 .. q_(d-1), and of r.
+    Lam = conj(jnp.concatenate([ct_Q, ct_r[None]]))
+    carry = (Lam, jnp.zeros((), nu.dtype))
+    (Lam, _), _ = lax.scan(step, carry, jnp.arange(d), reverse=True)
+    g_x0 = next_adjoint(Q[0], nu, Lam[0], ct_nu)
+    return conj(g_x0), conj(Lam[1:])
+
+
+lanczos_custom_jvp = derivative_rule(
+    "lanczos", lanczos_forward, lanczos_tangent, lanczos_adjoint
+)

@@ -1,0 +1,281 @@
+r"""What `arnoldi` and `lanczos` share: checks, breakdown, and the derivative rule.
+
+Both build an orthonormal basis $Q = [q_0, \dots, q_{d-1}]$ of the Krylov space of
+$A$ and $x_0$ by one `lax.scan`. They share:
+
+- the argument checks (`check_problem`);
+- the first vector, $\nu = \|x_0\|$, $q_0 = x_0 / \nu$, and the normalisation of
+  every new vector, with its breakdown rule (`next_vector`), its tangent and its
+  adjoint (`next_tangent`, `next_adjoint`);
+- the plumbing of the derivative rule (`derivative_rule`): a
+  `equinox.filter_custom_jvp` whose tangent output comes from a tangent primitive
+  (`_tangent.py`), whose implementation is the method's tangent scan and whose
+  transpose is the method's reverse scan followed by one batched product for the
+  operator's gradient.
+
+**Breakdown.** A new vector $w_k$ (what remains of $A q_k$ after the
+orthogonalisation) whose norm is at most `BREAKDOWN` $\cdot\, \varepsilon \,
+\|A q_k\|$ ($\varepsilon$ the dtype's machine epsilon) is numerically zero: the
+Krylov space is invariant under $A$ (to rounding) after $k + 1$ vectors. Then
+$q_{k+1} = 0$ and the subdiagonal entry is $0$, so every later vector and
+coefficient is zero too, and $A Q = Q H + r e_{d-1}^\top$ still holds (up to the
+dropped $w_k$). A zero $x_0$ gives $\nu = 0$ and an all-zero result. The threshold
+is relative to $\|A q_k\|$ because the rounding error of the orthogonalisation is:
+with `reorthogonalize=True` the computed $w_k$ of an invariant space is a few
+$\varepsilon \|A q_k\|$ long, well under the threshold, while a genuine new
+direction that short could not be resolved in the dtype anyway. Divisions use the
+double-`where` trick, so values and derivatives stay finite.
+
+**Conventions for complex numbers.** Inner products conjugate their first
+argument, $\langle a, b \rangle = a^H b$. The maths of the adjoints is written with
+Riesz gradients $g = \partial L / \partial \operatorname{Re} x + i\,\partial L /
+\partial \operatorname{Im} x$ (the direction of steepest ascent, so that
+$\delta L = \operatorname{Re} \langle g, \delta x\rangle$); JAX's cotangents are
+their complex conjugates, $\bar x = \overline{g}$, and the rules convert once at
+each end. For real dtypes the two coincide.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+from ._checks import as_array, check_choice, check_depth, check_output_size
+from ._operator import AbstractOperator, as_operator
+from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
+
+# The derivative rules `arnoldi` and `lanczos` offer, by their `adjoint=` names.
+Adjoint = Literal["custom_jvp", "autodiff"]
+ADJOINTS: tuple[Adjoint, ...] = ("custom_jvp", "autodiff")
+
+# A new vector shorter than this many machine epsilons times ||A q_k|| is zero.
+BREAKDOWN = 100
+
+
+def check_problem(
+    A: Any, x0: Any, d: Any, reorthogonalize: Any, adjoint: Any, fn_name: str
+) -> tuple[AbstractOperator, Array, int]:
+    """Check the arguments of `arnoldi` or `lanczos`; return them in internal form."""
+    if not isinstance(reorthogonalize, bool | np.bool_):
+        msg = (
+            f"`{fn_name}(reorthogonalize=...)` must be a bool; got "
+            f"{reorthogonalize!r} of type {type(reorthogonalize).__name__}."
+        )
+        raise TypeError(msg)
+    check_choice(adjoint, ADJOINTS, f"{fn_name}(adjoint=...)")
+    d = check_depth(d, fn_name)
+    x0 = as_array(x0, f"{fn_name}(x0=...)")
+    if x0.ndim != 1:
+        msg = (
+            f"`{fn_name}(x0=...)` must be one vector of shape (n,); got shape "
+            f"{x0.shape}. For a batch of starting vectors, use `jax.vmap`."
+        )
+        raise ValueError(msg)
+    check_output_size(d, [x0], fn_name)
+    operator, x0 = as_operator(A, x0, fn_name)
+    n = x0.shape[0]
+    if d > n:
+        msg = (
+            f"`{fn_name}(d=...)` must be at most n = {n}, the length of `x0` (an "
+            f"orthonormal basis of length-{n} vectors has at most {n} of them); "
+            f"got {d}."
+        )
+        raise ValueError(msg)
+    return operator, x0, d
+
+
+# ------------------------------------------------------------- small pieces
+
+
+def conj(x: Array) -> Array:
+    """The complex conjugate; no operation at all for a real dtype."""
+    return jnp.conj(x) if jnp.iscomplexobj(x) else x
+
+
+def real_dot(a: Array, b: Array) -> Array:
+    r"""$\operatorname{Re} \langle a, b \rangle$."""
+    return jnp.real(jnp.vdot(a, b))
+
+
+def project(Q: Array, w: Array) -> Array:
+    r"""$Q^H w$ for the basis stored as rows `(d, n)`: the coefficients
+    $\langle q_j, w \rangle$. Conjugates the two vectors, not the matrix."""
+    return conj(Q @ conj(w))
+
+
+def combine(Q: Array, h: Array) -> Array:
+    r"""$\sum_j h_j q_j$ for the basis stored as rows `(d, n)`."""
+    return h @ Q
+
+
+def as_dtype(x: Array, like: Array) -> Array:
+    """`x` cast to the dtype of `like` (a real scalar into a complex vector, say)."""
+    return x.astype(like.dtype)
+
+
+def safe_norm(x: Array) -> Array:
+    """`||x||`, with derivative 0 (not NaN) at `x = 0`."""
+    squares = jnp.sum(jnp.real(x * conj(x)))
+    positive = squares > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, squares, 1)), 0)
+
+
+def normalize(x0: Array) -> tuple[Array, Array]:
+    r"""$(\nu, q_0) = (\|x_0\|, x_0 / \|x_0\|)$, and $(0, 0)$ for a zero $x_0$."""
+    nu = safe_norm(x0)
+    ok = nu > 0
+    q0 = jnp.where(ok, x0 / as_dtype(jnp.where(ok, nu, 1), x0), 0)
+    return nu, q0
+
+
+def next_vector(w: Array, w0: Array) -> tuple[Array, Array]:
+    r"""$(\beta, q) = (\|w\|, w / \|w\|)$, or $(0, 0)$ at breakdown:
+    $\|w\| \le$ `BREAKDOWN` $\varepsilon \|w_0\|$, with $w_0 = A q_k$."""
+    eps = jnp.finfo(w.dtype).eps
+    scale = lax.stop_gradient(safe_norm(w0))
+    beta = safe_norm(w)
+    ok = beta > BREAKDOWN * eps * scale
+    beta = jnp.where(ok, beta, 0)
+    q = jnp.where(ok, w / as_dtype(jnp.where(ok, beta, 1), w), 0)
+    return beta, q
+
+
+def next_tangent(q: Array, beta: Array, t_w: Array) -> tuple[Array, Array]:
+    r"""Tangent of `next_vector` (or of `normalize`) given its outputs:
+    $\dot\beta = \operatorname{Re}\langle q, \dot w\rangle$ and
+    $\dot q = (\dot w - q \dot\beta) / \beta$; both zero at breakdown ($\beta = 0$)."""
+    ok = beta > 0
+    t_beta = jnp.where(ok, real_dot(q, t_w), 0)
+    safe = as_dtype(jnp.where(ok, beta, 1), q)
+    t_q = jnp.where(ok, (t_w - q * as_dtype(t_beta, q)) / safe, 0)
+    return t_beta, t_q
+
+
+def next_adjoint(q: Array, beta: Array, g_q: Array, g_beta: Array) -> Array:
+    r"""Transpose of `next_tangent`: the gradient of $w$ from those of $q$ and
+    $\beta$, $g_w = g_q / \beta + (g_\beta - \operatorname{Re}\langle q, g_q\rangle
+    / \beta)\, q$; zero at breakdown."""
+    ok = beta > 0
+    safe = jnp.where(ok, beta, 1)
+    g_beta = g_beta - jnp.where(ok, real_dot(q, g_q) / safe, 0)
+    return jnp.where(ok, g_q / as_dtype(safe, q) + q * as_dtype(g_beta, q), 0)
+
+
+def adjoint_mv(transpose_mv: Callable[[Array], Array], g: Array) -> Array:
+    r"""$A^H g$ from `operator.transpose().mv`, which applies $A^\top$."""
+    return conj(transpose_mv(conj(g)))
+
+
+def operator_tangent(
+    operator: AbstractOperator, t_operator: AbstractOperator | None, Q: Array
+) -> Array | None:
+    r"""$\dot A Q$ for every stored vector at once (one batched product), or `None`
+    when $\dot A = 0$."""
+    if t_operator is None:
+        return None
+    _, U = eqx.filter_jvp(lambda op: op.mm(Q), (operator,), (t_operator,))
+    return U
+
+
+# --------------------------------------------------------- the derivative rule
+
+# forward(operator, x0, d, reorth) -> out, where out[0] is the basis as rows (d, n)
+# and out[-1] is ||x0||;
+# tangent(operator, out, t_operator, t_x0, reorth) -> tangents like out;
+# adjoint(operator, out, ct, reorth) -> (ct_x0, ct_W): JAX cotangents of x0 and of
+# the stack W = A Q, rows (d, n).
+ForwardFn = Callable[[AbstractOperator, Array, int, bool], tuple[Array, ...]]
+TangentFn = Callable[..., tuple[Array, ...]]
+AdjointFn = Callable[..., tuple[Array, Array]]
+
+
+def _merge(x: Array) -> Array:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def derivative_rule(
+    name: str, forward: ForwardFn, tangent: TangentFn, adjoint: AdjointFn
+) -> Callable[[AbstractOperator, Array, int, bool], tuple[Array, ...]]:
+    """The decomposition `forward`, differentiated by `tangent` (forward mode) and
+    `adjoint` (its transpose, reverse mode) through a tangent primitive.
+
+    The primitive's arguments are `(operator, out, t_operator, t_x0, reorth,
+    batched)`: the forward output `out` and the operator are the only residuals of
+    reverse mode. `batched` is set by the batching rule: under `jax.vmap` over
+    `x0` with one operator, the primitive is bound again on the whole batch, so
+    that `grad` of a vmapped call still runs the hand-written reverse scan (vmapped
+    over the batch) and forms the operator's gradient as one product over all
+    `batch * d` stored vectors.
+    """
+
+    def impl(operator, out, t_operator, t_x0, reorth, batched):
+        t_x0 = jnp.asarray(t_x0)
+
+        def one(out, t_x0):
+            return tangent(operator, out, t_operator, t_x0, reorth)
+
+        return jax.vmap(one)(out, t_x0) if batched else one(out, t_x0)
+
+    def transpose(inputs, ct):
+        operator, out, t_operator, t_x0, reorth, batched = inputs
+        # The cotangent may arrive as NumPy arrays (`vjp_fn(np.ones(...))`).
+        ct = jtu.tree_map(jnp.asarray, ct)
+
+        def one(out, ct):
+            return adjoint(operator, out, ct, reorth)
+
+        ct_x0, ct_W = jax.vmap(one)(out, ct) if batched else one(out, ct)
+        ct_operator = nones(t_operator)
+        if is_tangent(t_operator):
+            Q = _merge(out[0]) if batched else out[0]
+            grad = operator.param_vjp(Q, _merge(ct_W) if batched else ct_W)
+            ct_operator = like_tangent(t_operator, grad)
+        ct_x0 = ct_x0 if is_tangent(t_x0) else None
+        return nones(operator), nones(out), ct_operator, ct_x0, None, None
+
+    def batch(bind, args, axes):
+        operator, out, t_operator, t_x0, reorth, batched = args
+        op_axes, out_axes, t_op_axes, t_x0_axis, _, _ = axes
+        if batched or any(a is not None for a in jtu.tree_leaves((op_axes, t_op_axes))):
+            return None
+        flat = jtu.tree_leaves(out_axes) + [t_x0_axis]
+        flat_values = jtu.tree_leaves(out) + [t_x0]
+        size = next(
+            x.shape[a] for x, a in zip(flat_values, flat, strict=True) if a is not None
+        )
+
+        def leading(axis, x):
+            if axis is None:
+                return jnp.broadcast_to(x[None], (size, *x.shape))
+            return jnp.moveaxis(x, axis, 0)
+
+        out = jtu.tree_map(leading, out_axes, out, is_leaf=lambda a: a is None)
+        t_x0 = leading(t_x0_axis, t_x0)
+        return bind(operator, out, t_operator, t_x0, reorth, True), 0
+
+    primitive = tangent_primitive(f"{name}_tangent", impl, transpose, 1, batch)
+
+    @eqx.filter_custom_jvp
+    def decomposition(operator, x0, *, d, reorth):
+        return forward(operator, x0, d, reorth)
+
+    @decomposition.def_jvp
+    def _jvp(primals, tangents, *, d, reorth):
+        operator, x0 = primals
+        t_operator, t_x0 = tangents
+        out = forward(operator, x0, d, reorth)
+        t_x0 = jnp.zeros_like(x0) if t_x0 is None else t_x0
+        if t_operator is not None and not jtu.tree_leaves(t_operator):
+            t_operator = None
+        return out, primitive(operator, out, t_operator, t_x0, reorth, False)
+
+    def build(operator, x0, d, reorth):
+        return decomposition(operator, x0, d=d, reorth=reorth)
+
+    return build

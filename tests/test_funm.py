@@ -1,0 +1,683 @@
+"""`funm_action` and `trace_funm`: values against dense references, statistics of the
+trace estimate, gradients against three oracles, operator kinds, transforms, errors.
+
+The references are SciPy and NumPy on the dense matrix: `scipy.linalg.expm`,
+`fractional_matrix_power`, `logm`, and $V f(\\Lambda) V^H$ from `numpy.linalg.eigh`.
+The trace estimator is also written in NumPy with the same probes (the docstring says
+how they are drawn from the key), and its gradient by the Daleckii--Krein formula.
+Every computation is jitted, several cases per program, to keep the file fast.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.scipy.linalg
+import numpy as np
+import pytest
+import scipy.linalg
+from helpers import Linear, unchecked
+from jax.experimental import sparse
+from jax.test_util import check_grads
+
+import krylovjax
+
+N = 10
+KINDS = ("dense", "bcoo", "closure", "module")
+expm = jax.scipy.linalg.expm
+
+
+# ------------------------------------------------------------------- problems
+
+
+def spd(n=N, seed=0, low=0.5, high=4.0, dtype=np.float64):
+    """A symmetric positive definite matrix with eigenvalues evenly spread over
+    [low, high] (Hermitian for a complex dtype)."""
+    rng = np.random.default_rng(seed)
+    Z = rng.normal(size=(n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        Z = Z + 1j * rng.normal(size=(n, n))
+    Q, _ = np.linalg.qr(Z)
+    S = (Q * np.linspace(low, high, n)) @ Q.conj().T
+    return (S + S.conj().T) / 2
+
+
+def general(n=N, seed=2, dtype=np.float64):
+    """A non-normal matrix of norm about 1."""
+    rng = np.random.default_rng(seed)
+    A = rng.normal(size=(n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        A = A + 1j * rng.normal(size=(n, n))
+    return (A / np.sqrt(n) + np.triu(np.ones((n, n)), 1) / n).astype(dtype)
+
+
+def vector(n=N, seed=1, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    b = rng.normal(size=n)
+    if np.issubdtype(dtype, np.complexfloating):
+        b = b + 1j * rng.normal(size=n)
+    return b.astype(dtype)
+
+
+def sym_funm(S, f):
+    """f(S) for a Hermitian S by eigh, in NumPy."""
+    w, V = np.linalg.eigh(S)
+    return (V * f(w)) @ V.conj().T
+
+
+def operator(kind, A):
+    """`(params, build)`: `build(params)` is the operator `A` as `kind`, and
+    gradients are taken with respect to `params`. The BCOO matrix stores every
+    entry, so its pattern is symmetric."""
+    A = jnp.asarray(A)
+    if kind == "dense":
+        return A, lambda p: p
+    if kind == "bcoo":
+        B = sparse.BCOO.fromdense(A, nse=A.size)
+        indices, shape = B.indices, B.shape
+        return B.data, lambda data: sparse.BCOO((data, indices), shape=shape)
+    if kind == "closure":
+        return A, lambda p: lambda x: p @ x
+    if kind == "module":
+        return Linear(A), lambda m: m
+    raise ValueError(kind)
+
+
+def symmetrise(kind, params):
+    """The parameters of `operator(kind, ...)` made symmetric. Finite differences
+    perturb a matrix off the symmetric ones, which Lanczos does not represent, so
+    the gradient checks differentiate through this, as a model that learns a
+    symmetric matrix does."""
+    if kind == "bcoo":
+        n = round(np.sqrt(params.shape[0]))
+        i, j = np.divmod(np.arange(n * n), n)
+        return (params + params[j * n + i]) / 2
+    if kind == "module":
+        return Linear((params.weight + params.weight.T) / 2)
+    return (params + params.T) / 2
+
+
+def relative_error(x, y):
+    return float(np.linalg.norm(np.asarray(x) - y) / np.linalg.norm(y))
+
+
+def decreasing(errors):
+    return all(e1 > e2 for e1, e2 in zip(errors, errors[1:], strict=False))
+
+
+def resolvent(shift, H):
+    """(shift I - H)^{-1}: a matrix function cheaper to compile than `expm`."""
+    eye = jnp.eye(H.shape[0], dtype=H.dtype)
+    return jnp.linalg.solve(shift.astype(H.dtype) * eye - H, eye)
+
+
+SCALAR = {
+    "exp": (lambda x: jnp.exp(-x), lambda w: np.exp(-w)),
+    "inv_sqrt": (lambda x: x**-0.5, lambda w: w**-0.5),
+    "log": (jnp.log, np.log),
+}
+DEPTHS = (2, 5, N)
+
+
+# --------------------------------------------------------------------- values
+
+
+def test_lanczos_matches_dense_references_and_converges():
+    S, b = spd(), vector()
+
+    @jax.jit
+    def run(S, b):
+        return {
+            name: [krylovjax.funm_action(f, S, b, d, method="lanczos") for d in DEPTHS]
+            for name, (f, _) in SCALAR.items()
+        }
+
+    results = run(jnp.asarray(S), jnp.asarray(b))
+    references = {
+        "exp": scipy.linalg.expm(-S) @ b,
+        "inv_sqrt": scipy.linalg.fractional_matrix_power(S, -0.5).real @ b,
+        "log": scipy.linalg.logm(S).real @ b,
+    }
+    for name, (_, f_np) in SCALAR.items():
+        np.testing.assert_allclose(sym_funm(S, f_np) @ b, references[name], rtol=1e-9)
+        errors = [relative_error(y, references[name]) for y in results[name]]
+        assert errors[-1] < 1e-12, (name, errors)
+        assert decreasing(errors), (name, errors)
+
+
+def test_arnoldi_expm_matches_scipy_and_converges():
+    dtypes = (np.float64, np.complex128)
+    problems = [(general(dtype=t), vector(dtype=t)) for t in dtypes]
+
+    @jax.jit
+    def run(problems):
+        # The convergence in d for float64; the converged value for complex128.
+        return [
+            [
+                krylovjax.funm_action(expm, A, b, d, method="arnoldi")
+                for d in (DEPTHS if A.dtype == jnp.float64 else DEPTHS[-1:])
+            ]
+            for A, b in problems
+        ]
+
+    results = run(jax.tree.map(jnp.asarray, problems))
+    for dtype, (A, b), ys in zip(dtypes, problems, results, strict=True):
+        reference = scipy.linalg.expm(A) @ b
+        errors = [relative_error(y, reference) for y in ys]
+        assert ys[-1].dtype == dtype
+        assert errors[-1] < 1e-12, (dtype, errors)
+        assert decreasing(errors), (dtype, errors)
+
+
+def test_complex_hermitian_and_complex_valued_f():
+    S_c, b_c = spd(dtype=np.complex128), vector(dtype=np.complex128)
+    S, b = spd(), vector()
+
+    def schroedinger(x):
+        # exp(-i x), with the cast to complex explicit (strict promotion).
+        return jnp.exp(-1j * x.astype(jnp.complex128))
+
+    @jax.jit
+    def run(S_c, b_c, S, b):
+        hermitian = krylovjax.funm_action(
+            lambda x: jnp.exp(-x), S_c, b_c, N, method="lanczos"
+        )
+        propagator = krylovjax.funm_action(schroedinger, S, b, N, method="lanczos")
+        return hermitian, propagator
+
+    hermitian, propagator = run(*map(jnp.asarray, (S_c, b_c, S, b)))
+    assert hermitian.dtype == propagator.dtype == jnp.complex128
+    np.testing.assert_allclose(hermitian, scipy.linalg.expm(-S_c) @ b_c, rtol=1e-11)
+    np.testing.assert_allclose(propagator, scipy.linalg.expm(-1j * S) @ b, rtol=1e-11)
+
+
+def test_operator_kinds_agree_with_dense():
+    S, A, b = jnp.asarray(spd()), jnp.asarray(general()), jnp.asarray(vector())
+    kinds = {kind: (operator(kind, -S), operator(kind, A)) for kind in KINDS}
+
+    @jax.jit
+    def run(params):
+        out = {}
+        for kind, ((_, build_s), (_, build_a)) in kinds.items():
+            p_s, p_a = params[kind]
+            out[kind] = (
+                krylovjax.funm_action(jnp.exp, build_s(p_s), b, 6, method="lanczos"),
+                krylovjax.funm_action(
+                    lambda H: resolvent(jnp.asarray(3.0), H),
+                    build_a(p_a),
+                    b,
+                    6,
+                    method="arnoldi",
+                ),
+            )
+        return out
+
+    out = run({kind: (s[0], a[0]) for kind, (s, a) in kinds.items()})
+    for kind in KINDS:
+        for got, want in zip(out[kind], out["dense"], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_float32():
+    S, b = spd(), vector()
+    y = jax.jit(lambda S, b: krylovjax.funm_action(jnp.log, S, b, N, method="lanczos"))(
+        jnp.asarray(S, jnp.float32), jnp.asarray(b, jnp.float32)
+    )
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, sym_funm(S, np.log) @ b, rtol=1e-4, atol=1e-5)
+
+
+def test_zero_vector_gives_zeros_and_finite_gradients():
+    """f(0) is infinite for a logarithm; a zero `b` still gives zeros."""
+    S, A, zero = jnp.asarray(spd()), jnp.asarray(general()), jnp.zeros(N)
+
+    @jax.jit
+    def run(S, A, b):
+        def log_action(S, b):
+            return krylovjax.funm_action(jnp.log, S, b, 4, method="lanczos")
+
+        def resolvent_action(A, b):
+            return krylovjax.funm_action(
+                lambda H: resolvent(jnp.asarray(3.0), H), A, b, 4, method="arnoldi"
+            )
+
+        values = (log_action(S, b), resolvent_action(A, b))
+        grads = (
+            jax.grad(lambda S, b: log_action(S, b).sum(), argnums=(0, 1))(S, b),
+            jax.grad(lambda A, b: resolvent_action(A, b).sum(), argnums=(0, 1))(A, b),
+        )
+        return values, grads
+
+    values, grads = run(S, A, zero)
+    for y in values:
+        np.testing.assert_array_equal(y, np.zeros(N))
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+
+
+def test_breakdown_is_exact_with_finite_gradients():
+    """Three distinct eigenvalues: the Krylov space is invariant after three steps,
+    and the tridiagonal matrix of six steps has a repeated eigenvalue (the zero
+    block after the breakdown), where JAX's own `eigh` rule divides by zero. The
+    result is exact, and so is its derivative in `b` (the approximation equals
+    f(S) b for every b near it), in reverse and forward mode."""
+    rng = np.random.default_rng(3)
+    Q, _ = np.linalg.qr(rng.normal(size=(8, 8)))
+    S = (Q * np.array([1.0, 1, 1, 2, 2, 4, 4, 4])) @ Q.T
+    S = (S + S.T) / 2
+    b, c = vector(8), vector(8, seed=5)
+
+    def loss(S, b):
+        return krylovjax.funm_action(jnp.log, S, b, 6, method="lanczos") @ c
+
+    @jax.jit
+    def run(S, b):
+        value = krylovjax.funm_action(jnp.log, S, b, 6, method="lanczos")
+        g_S, g_b = jax.grad(loss, argnums=(0, 1))(S, b)
+        _, tangent = jax.jvp(lambda b: loss(S, b), (b,), (c,))
+        return value, g_S, g_b, tangent
+
+    value, g_S, g_b, tangent = run(jnp.asarray(S), jnp.asarray(b))
+    F = sym_funm(S, np.log)
+    np.testing.assert_allclose(value, F @ b, rtol=1e-10)
+    assert bool(jnp.isfinite(g_S).all())
+    np.testing.assert_allclose(g_b, F.T @ c, rtol=1e-9)
+    np.testing.assert_allclose(tangent, c @ F @ c, rtol=1e-9)
+
+    # JAX's own `eigh` rule on the same tridiagonal matrix gives nan (even with the
+    # logarithm kept away from the zero block), so the finite gradients above come
+    # from funm_action's rule.
+    dec = krylovjax.lanczos(jnp.asarray(S), jnp.asarray(b), 6)
+
+    def naive(diagonal, off_diagonal):
+        T = jnp.diag(diagonal) + jnp.diag(off_diagonal, 1) + jnp.diag(off_diagonal, -1)
+        lam, V = jnp.linalg.eigh(T)
+        return V @ (jnp.log(jnp.where(lam > 0.5, lam, 1.0)) * V[0]) @ c[:6]
+
+    grads = jax.jit(jax.grad(naive, argnums=(0, 1)))(dec.diagonal, dec.off_diagonal)
+    assert not all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+# ------------------------------------------------------------------ gradients
+
+
+def test_check_grads_fwd_and_rev():
+    """Finite differences in float64, forward and reverse mode, with respect to the
+    operator's arrays, `b`, and an array that `f` closes over: Lanczos on a BCOO
+    matrix, and Arnoldi on a complex callable (one program for both)."""
+    n, d = 6, 4
+    p_bcoo, build_bcoo = operator("bcoo", spd(n))
+    p_closure, build_closure = operator("closure", general(n, dtype=np.complex128))
+    b, b_c = jnp.asarray(vector(n)), jnp.asarray(vector(n, dtype=np.complex128))
+
+    def call(p_bcoo, p_closure, b, b_c, t):
+        lanczos = krylovjax.funm_action(
+            lambda x: (t + x) ** -0.5,
+            build_bcoo(symmetrise("bcoo", p_bcoo)),
+            b,
+            d,
+            method="lanczos",
+        )
+        arnoldi = krylovjax.funm_action(
+            lambda H: resolvent(3 + t, H),
+            build_closure(p_closure),
+            b_c,
+            d,
+            method="arnoldi",
+        )
+        return lanczos, arnoldi
+
+    args = (p_bcoo, p_closure, b, b_c, jnp.asarray(0.8))
+    check_grads(jax.jit(call), args, order=1, modes=("fwd", "rev"), rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["lanczos", "arnoldi"])
+def test_custom_rules_match_autodiff(method):
+    """The decompositions' rules (the default) against JAX's own rules through
+    them (`adjoint="autodiff"`), with a random cotangent."""
+    if method == "lanczos":
+        A, f = jnp.asarray(spd()), jnp.log
+    else:
+        A = jnp.asarray(general())
+
+        def f(H):
+            return resolvent(jnp.asarray(3.0), H)
+
+    b, ct = jnp.asarray(vector()), jnp.asarray(vector(seed=7))
+
+    @jax.jit
+    def run(A, b):
+        results = []
+        for adjoint in ("custom_jvp", "autodiff"):
+
+            def call(A, b, adjoint=adjoint):
+                return krylovjax.funm_action(f, A, b, 6, method=method, adjoint=adjoint)
+
+            out, pullback = jax.vjp(call, A, b)
+            results.append((out, pullback(ct)))
+        return results
+
+    (out_c, grads_c), (out_a, grads_a) = run(A, b)
+    np.testing.assert_allclose(out_c, out_a, rtol=1e-12)
+    for g_c, g_a in zip(grads_c, grads_a, strict=True):
+        np.testing.assert_allclose(g_c, g_a, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("method", ["lanczos", "arnoldi"])
+def test_closed_form_time_derivative(method):
+    """d/dt exp(tA) b = A exp(tA) b, through an `f` that closes over t."""
+    if method == "lanczos":
+        A = -jnp.asarray(spd())
+
+        def y(t, b):
+            return krylovjax.funm_action(
+                lambda x: jnp.exp(t * x), A, b, N, method="lanczos"
+            )
+
+    else:
+        A = jnp.asarray(general())
+
+        def y(t, b):
+            return krylovjax.funm_action(
+                lambda H: expm(t * H), A, b, N, method="arnoldi"
+            )
+
+    b, c, t = jnp.asarray(vector()), jnp.asarray(vector(seed=4)), jnp.asarray(0.7)
+
+    @jax.jit
+    def run(t, b):
+        _, tangent = jax.jvp(lambda t: y(t, b), (t,), (jnp.ones_like(t),))
+        return tangent, jax.grad(lambda t: y(t, b) @ c)(t)
+
+    tangent, grad = run(t, b)
+    A_np = np.asarray(A)
+    expected = A_np @ scipy.linalg.expm(0.7 * A_np) @ np.asarray(b)
+    np.testing.assert_allclose(tangent, expected, rtol=1e-10)
+    np.testing.assert_allclose(grad, expected @ np.asarray(c), rtol=1e-10)
+
+
+def test_vmap_under_jit():
+    """A batch of times and vectors, and the gradient for each."""
+    S = jnp.asarray(spd())
+    bs = jnp.stack([jnp.asarray(vector(seed=s)) for s in range(3)])
+    ts = jnp.asarray([0.5, 1.0, 2.0])
+
+    def heat(t, b):
+        return krylovjax.funm_action(
+            lambda x: jnp.exp(-t * x), S, b, N, method="lanczos"
+        )
+
+    out, grads = jax.jit(
+        jax.vmap(lambda t, b: (heat(t, b), jax.grad(lambda t: heat(t, b).sum())(t)))
+    )(ts, bs)
+    for t, b, y, g in zip(ts, bs, out, grads, strict=True):
+        E = scipy.linalg.expm(-float(t) * np.asarray(S))
+        np.testing.assert_allclose(y, E @ np.asarray(b), rtol=1e-10)
+        np.testing.assert_allclose(
+            g, -(np.asarray(S) @ E @ np.asarray(b)).sum(), rtol=1e-9
+        )
+
+
+# -------------------------------------------------------------- trace estimate
+
+
+def probes(key, sampler, m, n):
+    """The probes `trace_funm` draws, as its docstring says."""
+    if sampler == "rademacher":
+        return np.asarray(jr.rademacher(key, (m, n), jnp.float64))
+    z = np.asarray(jr.normal(key, (m, n), jnp.float64))
+    if sampler == "sphere":
+        z = z * np.sqrt(n) / np.linalg.norm(z, axis=1, keepdims=True)
+    return z
+
+
+def variance(M, sampler):
+    """The variance of one probe's z^T M z for a real symmetric M (the docstring's
+    formulas)."""
+    n = M.shape[0]
+    frobenius = np.sum(M**2)
+    if sampler == "rademacher":
+        return 2 * (frobenius - np.sum(np.diag(M) ** 2))
+    if sampler == "normal":
+        return 2 * frobenius
+    return 2 * n / (n + 2) * (frobenius - np.trace(M) ** 2 / n)
+
+
+SAMPLERS = ("rademacher", "normal", "sphere")
+
+
+def test_trace_matches_numpy_estimator_and_exact_trace():
+    S, key, m = spd(), jr.key(11), 200
+    functions = {name: SCALAR[name] for name in ("log", "exp")}
+
+    cases = [("log", sampler) for sampler in SAMPLERS] + [("exp", "rademacher")]
+
+    @jax.jit
+    def run(S):
+        return {
+            (name, sampler): krylovjax.trace_funm(
+                functions[name][0], S, key, N, num_probes=m, sampler=sampler
+            )
+            for name, sampler in cases
+        }
+
+    estimates = run(jnp.asarray(S))
+    for (name, sampler), estimate in estimates.items():
+        M = sym_funm(S, functions[name][1])
+        # The same probes in NumPy, with the exact f(S): equal at d = n.
+        Z = probes(key, sampler, m, N)
+        same_probes = np.mean(np.einsum("mi,ij,mj->m", Z, M, Z))
+        np.testing.assert_allclose(estimate, same_probes, rtol=1e-11)
+        # The exact trace is within four standard errors (a fixed seed: no flakes;
+        # for a random seed this would fail about once in 16 000 runs).
+        standard_error = np.sqrt(variance(M, sampler) / m)
+        assert abs(float(estimate) - np.trace(M)) < 4 * standard_error, (name, sampler)
+
+
+def test_trace_quadrature_error_falls_with_d():
+    """Gauss quadrature: each probe's error falls quickly as d grows."""
+    S, key, m = spd(low=0.1, high=10.0), jr.key(0), 8
+    depths = (1, 2, 3, 5, N)
+    estimates = jax.jit(
+        lambda S: [
+            krylovjax.trace_funm(jnp.log, S, key, d, num_probes=m) for d in depths
+        ]
+    )(jnp.asarray(S))
+    Z = probes(key, "rademacher", m, N)
+    exact = np.mean(np.einsum("mi,ij,mj->m", Z, sym_funm(S, np.log), Z))
+    errors = [abs(float(e) - exact) for e in estimates]
+    assert errors[-1] < 1e-10 * abs(exact), errors
+    assert decreasing(errors), errors
+
+
+def test_trace_exact_for_diagonal_with_rademacher():
+    w = jnp.linspace(1.0, 5.0, N)
+    est = jax.jit(
+        lambda A: krylovjax.trace_funm(jnp.log, A, jr.key(3), N, num_probes=3)
+    )(jnp.diag(w))
+    np.testing.assert_allclose(est, np.sum(np.log(np.asarray(w))), rtol=1e-12)
+
+
+def daleckii_krein(S, f, df, W):
+    """The gradient of <W, f(S)> with respect to a symmetric S (distinct
+    eigenvalues)."""
+    w, V = np.linalg.eigh(S)
+    gap = w[:, None] - w[None, :]
+    same = np.eye(len(w), dtype=bool)
+    F = np.where(same, df(w)[:, None], (f(w)[:, None] - f(w)[None, :]) / (gap + same))
+    return V @ (F * (V.T @ W @ V)) @ V.T
+
+
+def test_logdet_gradient_closed_forms():
+    """The gradient of the log-det estimate equals the Daleckii--Krein gradient for
+    the drawn probes, which is S^{-1} when their mean outer product is the identity;
+    with many probes it is within five standard errors of S^{-1}. Forward mode
+    gives the matching directional derivative."""
+    S, key, m = spd(n=6), jr.key(5), 2000
+    E = jnp.asarray(spd(n=6, seed=8))
+
+    def logdet(S):
+        return krylovjax.trace_funm(jnp.log, (S + S.T) / 2, key, 6, num_probes=m)
+
+    grad, tangent = jax.jit(
+        lambda S: (jax.grad(logdet)(S), jax.jvp(logdet, (S,), (E,))[1])
+    )(jnp.asarray(S))
+    Z = probes(key, "rademacher", m, 6)
+    expected = daleckii_krein(S, np.log, lambda w: 1 / w, Z.T @ Z / m)
+    np.testing.assert_allclose(grad, expected, rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(tangent, np.sum(expected * np.asarray(E)), rtol=1e-9)
+    inverse = np.linalg.inv(S)
+    np.testing.assert_allclose(
+        daleckii_krein(S, np.log, lambda w: 1 / w, np.eye(6)), inverse, rtol=1e-10
+    )
+    per_probe = np.stack(
+        [daleckii_krein(S, np.log, lambda w: 1 / w, np.outer(z, z)) for z in Z]
+    )
+    standard_error = per_probe.std(axis=0) / np.sqrt(m)
+    assert np.all(np.abs(np.asarray(grad) - inverse) < 5 * standard_error + 1e-12)
+
+
+def test_trace_operator_kinds():
+    S, key = spd(n=6), jr.key(2)
+    like = jax.ShapeDtypeStruct((6,), jnp.float64)
+    kinds = {kind: operator(kind, S) for kind in KINDS}
+
+    @jax.jit
+    def run(params):
+        return {
+            kind: krylovjax.trace_funm(
+                jnp.log, build(params[kind]), key, 6, num_probes=4, like=like
+            )
+            for kind, (_, build) in kinds.items()
+        }
+
+    out = run({kind: p for kind, (p, _) in kinds.items()})
+    for kind in KINDS:
+        np.testing.assert_allclose(out[kind], out["dense"], rtol=1e-12)
+
+
+def test_trace_check_grads():
+    """Finite differences for the estimate with an `equinox.Module` operator."""
+    kind = "module"
+    params, build = operator(kind, spd(n=6))
+    key, t = jr.key(2), jnp.asarray(0.3)
+
+    def est(params, t):
+        A = build(symmetrise(kind, params))
+        return krylovjax.trace_funm(
+            lambda x: jnp.log(x + t), A, key, 4, num_probes=3, like=jnp.zeros(6)
+        )
+
+    check_grads(jax.jit(est), (params, t), order=1, modes=("fwd", "rev"), rtol=1e-6)
+
+
+def test_trace_complex_hermitian_and_autodiff():
+    S_c, S, key, m = spd(n=6, dtype=np.complex128), spd(n=6), jr.key(4), 50
+
+    @jax.jit
+    def run(S_c, S):
+        est = krylovjax.trace_funm(jnp.log, S_c, key, 6, num_probes=m)
+        grads = [
+            jax.grad(
+                lambda S, adjoint=adjoint: krylovjax.trace_funm(
+                    jnp.log, S, key, 5, num_probes=m, adjoint=adjoint
+                )
+            )(S)
+            for adjoint in ("custom_jvp", "autodiff")
+        ]
+        return est, grads
+
+    est, grads = run(jnp.asarray(S_c), jnp.asarray(S))
+    assert est.dtype == jnp.float64
+    Z = probes(key, "rademacher", m, 6)
+    M = sym_funm(S_c, np.log)
+    same_probes = np.mean(np.einsum("mi,ij,mj->m", Z, M, Z)).real
+    np.testing.assert_allclose(est, same_probes, rtol=1e-10)
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-8, atol=1e-10)
+
+
+def test_trace_training_step_with_fresh_keys():
+    S = jnp.asarray(spd())
+
+    @jax.jit
+    def step(S, key):
+        return jax.value_and_grad(
+            lambda S: krylovjax.trace_funm(jnp.log, S, key, 8, num_probes=16)
+        )(S)
+
+    (v1, g1), (v2, g2) = step(S, jr.key(0)), step(S, jr.key(1))
+    assert float(v1) != float(v2)
+    assert bool(jnp.isfinite(g1).all() and jnp.isfinite(g2).all())
+
+
+# --------------------------------------------------------------------- errors
+
+
+A_ERR, B_ERR = jnp.eye(3) * 2.0, jnp.ones(3)
+
+
+def test_funm_action_errors():
+    funm = krylovjax.funm_action
+    with pytest.raises(ValueError, match=r"`funm_action\(method=...\)` must be one of"):
+        unchecked(funm)(jnp.exp, A_ERR, B_ERR, 2, method="eig")
+    with pytest.raises(TypeError, match="method"):
+        unchecked(funm)(jnp.exp, A_ERR, B_ERR, 2)
+    with pytest.raises(TypeError, match=r"`funm_action\(f=...\)` must be a callable"):
+        unchecked(funm)("exp", A_ERR, B_ERR, 2, method="lanczos")
+    with pytest.raises(ValueError, match=r"`funm_action\(d=...\)` must be an int >= 1"):
+        funm(jnp.exp, A_ERR, B_ERR, 0, method="lanczos")
+    with pytest.raises(ValueError, match=r"`funm_action\(d=...\)` must be at most n"):
+        funm(jnp.exp, A_ERR, B_ERR, 4, method="lanczos")
+    with pytest.raises(TypeError, match=r"`funm_action\(d=...\)` must be a Python int"):
+        unchecked(funm)(jnp.exp, A_ERR, B_ERR, 2.0, method="lanczos")
+    with pytest.raises(ValueError, match=r"`funm_action\(b=...\)` must be one vector"):
+        unchecked(funm)(jnp.exp, A_ERR, jnp.ones((3, 2)), 2, method="lanczos")
+    with pytest.raises(TypeError, match=r"`funm_action\(b=...\)` must have a floating"):
+        unchecked(funm)(jnp.exp, A_ERR, jnp.ones(3, int), 2, method="lanczos")
+    with pytest.raises(ValueError, match=r"`funm_action\(A=...\)` must be a square"):
+        unchecked(funm)(jnp.exp, jnp.ones((3, 2)), B_ERR, 2, method="lanczos")
+    with pytest.raises(TypeError, match=r"`funm_action\(reorthogonalize=...\)`"):
+        unchecked(funm)(
+            jnp.exp, A_ERR, B_ERR, 2, method="lanczos", reorthogonalize="yes"
+        )
+    with pytest.raises(ValueError, match=r"`funm_action\(adjoint=...\)` must be one"):
+        unchecked(funm)(jnp.exp, A_ERR, B_ERR, 2, method="lanczos", adjoint="vjp")
+    # A matrix function where a scalar one belongs, and the other way round.
+    with pytest.raises(ValueError, match=r"`funm_action\(f=...\)` must map the \(2,\)"):
+        funm(jnp.sum, A_ERR, B_ERR, 2, method="lanczos")
+    with pytest.raises(
+        ValueError, match=r"`funm_action\(f=...\)` must map the \(2, 2\)"
+    ):
+        funm(jnp.diag, A_ERR, B_ERR, 2, method="arnoldi")
+    with pytest.raises(TypeError, match=r"`funm_action\(f=...\)` must map .* floating"):
+        funm(lambda x: (x > 0).astype(jnp.int32), A_ERR, B_ERR, 2, method="lanczos")
+
+
+def test_trace_funm_errors():
+    key, trace = jr.key(0), krylovjax.trace_funm
+    with pytest.raises(TypeError, match=r"`trace_funm\(like=...\)` is required"):
+        trace(jnp.log, lambda x: 2 * x, key, 2, num_probes=2)
+    with pytest.raises(ValueError, match=r"`trace_funm\(like=...\)` must have shape"):
+        unchecked(trace)(
+            jnp.log, lambda x: 2 * x, key, 2, num_probes=2, like=jnp.ones((3, 2))
+        )
+    with pytest.raises(
+        ValueError, match=r"`trace_funm\(like=...\)` must have shape \(3"
+    ):
+        unchecked(trace)(jnp.log, A_ERR, key, 2, num_probes=2, like=jnp.ones(4))
+    with pytest.raises(ValueError, match=r"`trace_funm\(sampler=...\)` must be one of"):
+        unchecked(trace)(jnp.log, A_ERR, key, 2, num_probes=2, sampler="gauss")
+    with pytest.raises(ValueError, match=r"`trace_funm\(num_probes=...\)` must be an"):
+        trace(jnp.log, A_ERR, key, 2, num_probes=0)
+    with pytest.raises(ValueError, match=r"`trace_funm\(d=...\)` must be at most n"):
+        trace(jnp.log, A_ERR, key, 4, num_probes=2)
+    with pytest.raises(
+        TypeError, match=r"`trace_funm\(key=...\)` must be one JAX PRNG"
+    ):
+        unchecked(trace)(jnp.log, A_ERR, 0, 2, num_probes=2)
+    with pytest.raises(TypeError, match=r"`trace_funm\(A=...\)` must have a floating"):
+        unchecked(trace)(jnp.log, jnp.eye(3, dtype=int), key, 2, num_probes=2)
+    with pytest.raises(ValueError, match=r"`trace_funm\(A=...\)` must be a square"):
+        unchecked(trace)(jnp.log, jnp.ones((3, 2)), key, 2, num_probes=2)
+    with pytest.raises(TypeError, match=r"`trace_funm\(f=...\)` must be a callable"):
+        unchecked(trace)(None, A_ERR, key, 2, num_probes=2)
+    with pytest.raises(ValueError, match=r"`trace_funm\(f=...\)` must map the \(2,\)"):
+        trace(jnp.sum, A_ERR, key, 2, num_probes=2)
