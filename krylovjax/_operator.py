@@ -318,6 +318,13 @@ class SparseOperator(AbstractOperator):
         out = self.mv(_as_columns(xs))
         return jnp.moveaxis(out.reshape(xs.shape[1], xs.shape[0], *xs.shape[2:]), 0, 1)
 
+    def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
+        # The sum below from zero: no transposes of the stack, as the generic VJP
+        # of `mm` would make.
+        data = jnp.zeros_like(self.matrix.data, jnp.result_type(self.matrix.data, cts))
+        zeros = sparse.BCOO((data, self.matrix.indices), shape=self.matrix.shape)
+        return self.add_param_vjp(SparseOperator(zeros, self.transposed), xs, 0, cts)
+
     def add_param_vjp(self, acc: AbstractOperator, stored, first, cts):
         # data_e += sum_k <ct_k[row_e], x_k[col_e]>, a chunk of entries at a time,
         # reading the stored vectors in place.
