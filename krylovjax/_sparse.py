@@ -158,6 +158,10 @@ def _spmv_local(data, indices, x, n_out, transposed, rows_sorted, init=None):
 
 def _tangent_impl(data, indices, x, t_data, t_x, static):
     r"""$A \dot x + \dot A x$; a `None` tangent is zero."""
+    # Evaluated eagerly, the primitive may be handed NumPy arrays.
+    data, indices, x, t_data, t_x = jax.tree.map(
+        jnp.asarray, (data, indices, x, t_data, t_x)
+    )
     t_y = jnp.zeros_like(x)
     if t_x is not None:
         t_y = t_y + spmv(data, indices, t_x, *static)
@@ -169,6 +173,7 @@ def _tangent_impl(data, indices, x, t_data, t_x, static):
 def _tangent_transpose(inputs, ct):
     data, indices, x, t_data, t_x, static = inputs
     _, transposed, _ = static
+    ct = jnp.asarray(ct)  # NumPy when a cotangent is given eagerly
     ct_x = ct_data = None
     if is_tangent(t_x):
         ct_x = spmv(data, indices, ct, x.shape[0], not transposed, False)

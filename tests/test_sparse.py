@@ -90,8 +90,12 @@ def test_forward_mode_matches_dense(b):
 def test_finite_differences():
     data, indices, x0 = _problem(3, seed=3)
     loss = _loss(_sparse)
+    # Second order too: the derivatives of the product's derivative rules.
     check_grads(
-        lambda data, x0: loss(data, indices, x0), (data, x0), order=1, modes=["rev"]
+        lambda data, x0: loss(data, indices, x0),
+        (data, x0),
+        order=2,
+        modes=["rev"],
     )
 
 
