@@ -26,12 +26,15 @@ $\dot\beta_k = \operatorname{Re}\langle q_{k+1}, \dot w^{(2)}\rangle$ and
 $\dot q_{k+1} = (\dot w^{(2)} - q_{k+1} \dot\beta_k) / \beta_k$. Every primal
 intermediate is recomputed in batch from the outputs: $W = A Q$ is one batched
 product, $h^{(1)}$ the upper triangle of $Q^H W$, $h^{(2)} = H - h^{(1)}$ (upper
-part), $w^{(1)} = w^{(0)} - Q h^{(1)}$. $\dot A Q$ is one batched product too.
+part), and the rows $w^{(1)} = w^{(0)} - Q h^{(1)}$ one GEMM, $W^{(1)} = W -
+{H^{(1)}}^\top Q$. $\dot A Q$ is one batched product too.
 
 **Adjoint** (`arnoldi_adjoint`, the transpose of the tangent map). With Riesz
 gradients $G_Q$, $G_H$, $g_r$, $g_\nu$ of the outputs, a buffer $\Lambda$ of
-$d + 1$ rows (the gradients $\lambda_j$ of $\dot q_j$, then that of $\dot r$)
-starts as $[G_Q; g_r]$ and one reverse scan runs $k = d-1, \dots, 0$:
+$d + 1$ rows (the gradients $\lambda_j$ of $\dot q_j$ as they accumulate, and one
+free row) starts as $[G_Q; 0]$, and one reverse scan runs $k = d-1, \dots, 0$,
+carrying the completed $\lambda_{k+1}$ as a separate vector (it starts as
+$\lambda_d = g_r$, the gradient of $\dot r$):
 
 $$g^{(2)} = \begin{cases} \lambda_d = g_r & k = d-1 \\
   \lambda_{k+1} / \beta_k + \big(\operatorname{Re} (G_H)_{k+1,k}
@@ -45,12 +48,15 @@ $$a^{(p)} = m_k \odot \big((G_H)_{:,k} - Q^H g^{(p)}\big), \quad
   - \overline{h^{(p)}}\, {g^{(p)}}^\top, \quad
   g^{(p-1)} = g^{(p)} + Q a^{(p)},$$
 
-(the two rank-one updates of each pass applied as one small product) and finally
-$\lambda_k \mathrel{+}= A^H g^{(0)}$. The multiplier $\mu_k = g^{(0)}$ is the
-gradient of $\dot w^{(0)}_k = \dots + \dot A q_k$; it is written into the row
-$\lambda_{k+1}$, which no later (smaller) step reads, so the buffer ends as
-$[\lambda_0, \mu_0, \dots, \mu_{d-1}]$. Then (Riesz gradients; JAX's cotangents
-are their conjugates)
+(the rank-one updates of both passes as one fused elementwise pass over the
+buffer, in place; their coefficients vanish beyond row $k$). The multiplier
+$\mu_k = g^{(0)}$ is the gradient of $\dot w^{(0)}_k = \dots + \dot A q_k$; it
+is written into row $k + 1$, whose $\lambda_{k+1}$ no later (smaller) step needs,
+and the next carried vector is the completed $\lambda_k = \Lambda_k + A^H
+g^{(0)}$, so the buffer ends as $[\cdot, \mu_0, \dots, \mu_{d-1}]$ and the
+carry as $\lambda_0$. The scan only writes to $\Lambda$ and reads it after the
+writes, so XLA updates it in place (no copy of the buffer per step). Then (Riesz
+gradients; JAX's cotangents are their conjugates)
 
 $$g_{x_0} = \lambda_0 / \nu + (g_\nu - \operatorname{Re}\langle q_0, \lambda_0
   \rangle / \nu)\, q_0, \qquad
@@ -59,7 +65,8 @@ $$g_{x_0} = \lambda_0 / \nu + (g_\nu - \operatorname{Re}\langle q_0, \lambda_0
 the second as `operator.param_vjp` over the stacks $Q$ and $M = [\mu_k]$ (a GEMM
 for a dense matrix, a sampled product for BCOO, one VJP for a callable). The
 residuals are the outputs and the operator; the temporaries are a few $n \times
-d$ arrays ($W$, $\Lambda$), never one per step.
+d$ arrays ($W$, $\Lambda$, and $W^{(1)}$ with re-orthogonalisation), never one
+per step.
 """
 
 import equinox as eqx
@@ -71,6 +78,7 @@ from jaxtyping import Array, Inexact, Real
 from ._operator import AbstractOperator
 from ._orthogonal import (
     Adjoint,
+    add_outer,
     adjoint_mv,
     as_dtype,
     check_problem,
@@ -236,40 +244,39 @@ def _hessenberg(hs: Array, betas: Array) -> Array:
 
 
 def _recompute(operator: AbstractOperator, out, reorth: bool):
-    """The per-step primal intermediates, in batch: $W = A Q$ (rows), $h^{(1)}$ and
-    $h^{(2)}$ as columns of `(d, d)` arrays, and $\\beta$ with a zero appended (the
-    last step's new vector is the residual, not normalised)."""
+    r"""The per-step primal intermediates, in batch: for each Gram-Schmidt pass
+    `p`, the pair `(W_p, H_p)` of the vectors $w^{(p-1)}$ (rows `(d, n)`) and the
+    coefficients $h^{(p)}$ (columns of a `(d, d)` array), and $\beta$ with a zero
+    appended (the last step's new vector is the residual, not normalised).
+
+    $W^{(0)} = A Q$ is one batched product and $W^{(1)} = W^{(0)} - {H^{(1)}}^\top
+    Q$ one GEMM, so the scans only read rows of them."""
     Q, H = out[0], out[1]
     d = Q.shape[0]
     W = operator.mm(Q)
     upper = jnp.triu(jnp.ones((d, d), bool))
     H_upper = jnp.where(upper, H, 0)
-    if reorth:
-        H1 = jnp.where(upper, conj(Q) @ W.T, 0)
-        H2 = H_upper - H1
-    else:
-        H1, H2 = H_upper, None
     betas = _append_zero(jnp.real(jnp.diagonal(H, -1)))
-    return W, H1, H2, betas
+    if not reorth:
+        return [(W, H_upper)], betas
+    H1 = jnp.where(upper, conj(Q) @ W.T, 0)
+    return [(W, H1), (W - H1.T @ Q, H_upper - H1)], betas
 
 
 def _append_zero(x: Array) -> Array:
     return jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
 
 
-def _passes(Q, W, H1, H2, k):
+def _passes(passes, k):
     """`(w^(p-1), h^(p))` of each Gram-Schmidt pass of step `k`."""
-    w, h = W[k], H1[:, k]
-    if H2 is None:
-        return [(w, h)]
-    return [(w, h), (w - combine(Q, h), H2[:, k])]
+    return [(W[k], H[:, k]) for W, H in passes]
 
 
 def arnoldi_tangent(operator, out, t_operator, t_x0, reorth):
     """The tangents of `arnoldi_forward`'s outputs (see the module docstring)."""
     Q, _, _, nu = out
     d = Q.shape[0]
-    W, H1, H2, betas = _recompute(operator, out, reorth)
+    passes, betas = _recompute(operator, out, reorth)
     U = operator_tangent(operator, t_operator, Q)
     t_nu, t_q0 = next_tangent(Q[0], nu, t_x0)
     t_Q = jnp.zeros_like(Q).at[0].set(t_q0)
@@ -281,8 +288,8 @@ def arnoldi_tangent(operator, out, t_operator, t_x0, reorth):
         t_w = operator.mv(t_Q[k])
         if U is not None:
             t_w = t_w + U[k]
-        t_h = jnp.zeros_like(H1[:, k])
-        for w_prev, h_p in _passes(Q, W, H1, H2, k):
+        t_h = jnp.zeros(d, Q.dtype)
+        for w_prev, h_p in _passes(passes, k):
             t_hp = jnp.where(m, project(t_Q, w_prev) + project(Q, t_w), 0)
             t_w = t_w - combine(t_Q, h_p) - combine(Q, t_hp)
             t_h = t_h + t_hp
@@ -304,33 +311,35 @@ def arnoldi_adjoint(operator, out, ct, reorth):
     ct_Q, ct_H, ct_r, ct_nu = ct
     G_H = conj(ct_H)
     g_betas = _append_zero(jnp.real(jnp.diagonal(G_H, -1)))
-    W, H1, H2, betas = _recompute(operator, out, reorth)
+    passes, betas = _recompute(operator, out, reorth)
     transpose_mv = operator.transpose().mv
     rows = jnp.arange(d)
 
-    def step(Lam, k):
-        # Lam[k + 1] is the gradient of q_(k+1), or of r at the last step.
+    def step(carry, k):
+        # lam: the (complete) gradient of q_(k+1), or of r at the last step. The
+        # buffer Lam is only updated here, never read before the update: so XLA
+        # updates it in place rather than copying it.
+        Lam, lam = carry
         m = rows <= k
-        g = next_adjoint(Q[k + 1], betas[k], Lam[k + 1], g_betas[k])
-        g = jnp.where(k == d - 1, Lam[k + 1], g)
+        g = next_adjoint(Q[k + 1], betas[k], lam, g_betas[k])
+        g = jnp.where(k == d - 1, lam, g)
         g_h = jnp.where(m, G_H[:, k], 0)
         left, right = [], []
-        for w_prev, h_p in reversed(_passes(Q, W, H1, H2, k)):
+        for w_prev, h_p in reversed(_passes(passes, k)):
             a = jnp.where(m, g_h - project(Q, g), 0)
             left += [-h_p, a]
             right += [g, w_prev]
             g = g + combine(Q, a)
-        # The rank-one updates of both passes as one product, on rows 0 .. d - 1.
-        left = jnp.pad(conj(jnp.stack(left)), ((0, 0), (0, 1)))
-        Lam = Lam + left.T @ jnp.stack(right)
-        Lam = Lam.at[k].add(adjoint_mv(transpose_mv, g))
-        # mu_k = g: into the row just read, which no later step reads.
-        return Lam.at[k + 1].set(g), None
+        # The rank-one updates of both passes in one pass over rows 0 .. d - 1.
+        Lam = add_outer(Lam, left, right)
+        # mu_k = g: into the row of q_(k+1), which no later step reads.
+        Lam = Lam.at[k + 1].set(g)
+        return (Lam, Lam[k] + adjoint_mv(transpose_mv, g)), None
 
-    # Rows: the gradients of q_0 .. q_(d-1), and of r.
-    Lam = conj(jnp.concatenate([ct_Q, ct_r[None]]))
-    Lam, _ = lax.scan(step, Lam, jnp.arange(d), reverse=True)
-    g_x0 = next_adjoint(Q[0], nu, Lam[0], ct_nu)
+    # Rows: the gradients of q_0 .. q_(d-1), and a free row for mu_(d-1).
+    Lam = jnp.pad(conj(ct_Q), ((0, 1), (0, 0)))
+    (Lam, lam0), _ = lax.scan(step, (Lam, conj(ct_r)), jnp.arange(d), reverse=True)
+    g_x0 = next_adjoint(Q[0], nu, lam0, ct_nu)
     return conj(g_x0), conj(Lam[1:])
 
 

@@ -34,10 +34,11 @@ and $c$ as the columns of the upper triangle of $Q^H W^{(1)}$.
 
 **Adjoint** (`lanczos_adjoint`, the transpose of the tangent map). With Riesz
 gradients $G_Q$, $g_\alpha$, $g_\beta$, $g_r$, $g_\nu$ of the outputs, the buffer
-$\Lambda$ of $d + 1$ rows (the gradients $\lambda_j$ of $\dot q_j$, then that of
-$\dot r$) starts as $[G_Q; g_r]$, and one reverse scan runs $k = d-1, \dots, 0$
-carrying $\gamma_k$, the gradient of $\dot\beta_k$ from step $k+1$
-($\gamma_{d-1} = 0$):
+$\Lambda$ of $d + 1$ rows (the gradients $\lambda_j$ of $\dot q_j$ as they
+accumulate, and one free row) starts as $[G_Q; 0]$, and one reverse scan runs
+$k = d-1, \dots, 0$ carrying the completed $\lambda_{k+1}$ as a separate vector
+($\lambda_d = g_r$, the gradient of $\dot r$) and $\gamma_k$, the gradient of
+$\dot\beta_k$ from step $k+1$ ($\gamma_{d-1} = 0$):
 
 $$g = \begin{cases} \lambda_d = g_r & k = d-1 \\
   \lambda_{k+1} / \beta_k + \big((g_\beta)_k + \gamma_k
@@ -45,18 +46,22 @@ $$g = \begin{cases} \lambda_d = g_r & k = d-1 \\
   q_{k+1} & k < d-1 \end{cases}$$
 
 with re-orthogonalisation, $a = -m_k \odot Q^H g$,
-$\Lambda \mathrel{+}= \overline{a}\, {w^{(1)}}^\top - \overline{c}\, g^\top$ and
-$g \mathrel{+}= Q a$; then, with $\eta = (g_\alpha)_k -
-\operatorname{Re}\langle q_k, g\rangle$ and $\mu_k = g + \eta\, q_k$ (the
-gradient of $\dot u$),
+$\Lambda \mathrel{+}= \overline{a}\, {w^{(1)}}^\top - \overline{c}\, g^\top$ (one
+fused elementwise pass over the buffer, in place) and $g \mathrel{+}= Q a$;
+then, with $\eta = (g_\alpha)_k - \operatorname{Re}\langle q_k, g\rangle$ and
+$\mu_k = g + \eta\, q_k$ (the gradient of $\dot u$),
 
 $$\lambda_k \mathrel{+}= A^H \mu_k - \alpha_k g + \eta\, u, \qquad
   \lambda_{k-1} \mathrel{-}= \beta_{k-1} \mu_k, \qquad
-  \gamma_{k-1} = -\operatorname{Re}\langle q_{k-1}, \mu_k\rangle.$$
+  \gamma_{k-1} = -\operatorname{Re}\langle q_{k-1}, \mu_k\rangle,$$
 
-$\mu_k$ is also the gradient of $\dot A q_k$: it is written into the row
-$\lambda_{k+1}$, which no later (smaller) step reads, so the buffer ends as
-$[\lambda_0, \mu_0, \dots, \mu_{d-1}]$. Then, as for Arnoldi,
+the first into the next carried vector $\lambda_k = \Lambda_k + A^H \mu_k -
+\alpha_k g + \eta\, u$, the second into row $k - 1$ of the buffer. $\mu_k$ is
+also the gradient of $\dot A q_k$: it is written into row $k + 1$, whose
+$\lambda_{k+1}$ no later (smaller) step needs, so the buffer ends as $[\cdot,
+\mu_0, \dots, \mu_{d-1}]$ and the carry as $\lambda_0$. The scan only writes to
+$\Lambda$ and reads it after the writes, so XLA updates it in place. Then, as for
+Arnoldi,
 
 $$g_{x_0} = \lambda_0 / \nu + (g_\nu - \operatorname{Re}\langle q_0, \lambda_0
   \rangle / \nu)\, q_0, \qquad
@@ -76,6 +81,7 @@ from jaxtyping import Array, Inexact, Real
 from ._operator import AbstractOperator
 from ._orthogonal import (
     Adjoint,
+    add_outer,
     adjoint_mv,
     as_dtype,
     check_problem,
@@ -335,33 +341,34 @@ def lanczos_adjoint(operator, out, ct, reorth):
     rows = jnp.arange(d)
 
     def step(carry, k):
-        # Lam[k + 1] is the gradient of q_(k+1), or of r at the last step; gamma
-        # that of beta_k through step k + 1.
-        Lam, gamma = carry
-        g = next_adjoint(Q[k + 1], beta[k], Lam[k + 1], ct_beta[k] + gamma)
-        g = jnp.where(k == d - 1, Lam[k + 1], g)
+        # lam: the (complete) gradient of q_(k+1), or of r at the last step; gamma
+        # that of beta_k through step k + 1. The buffer Lam is only updated here,
+        # never read before the update: so XLA updates it in place.
+        Lam, lam, gamma = carry
+        g = next_adjoint(Q[k + 1], beta[k], lam, ct_beta[k] + gamma)
+        g = jnp.where(k == d - 1, lam, g)
         q, w, a = Q[k], W1[k], as_dtype(alpha[k], Q)
         if C is not None:
             coef = jnp.where(rows <= k, -project(Q, g), 0)
-            left = jnp.pad(conj(jnp.stack([-C[:, k], coef])), ((0, 0), (0, 1)))
-            Lam = Lam + left.T @ jnp.stack([g, w])
+            Lam = add_outer(Lam, [-C[:, k], coef], [g, w])
             g = g + combine(Q, coef)
         eta = ct_alpha[k] - real_dot(q, g)
         mu = g + as_dtype(eta, q) * q
         u = w + a * q
         previous = jnp.maximum(k - 1, 0)
         lam_k = adjoint_mv(transpose_mv, mu) - a * g + as_dtype(eta, q) * u
-        Lam = Lam.at[k].add(lam_k)
+        # (At k = 0, beta_prev = 0: nothing is added.)
         Lam = Lam.at[previous].add(-as_dtype(beta_prev[k], q) * mu)
         gamma = jnp.where(k > 0, -real_dot(Q[previous], mu), 0)
-        # mu_k: into the row just read, which no later step reads.
-        return (Lam.at[k + 1].set(mu), gamma), None
+        # mu_k: into the row of q_(k+1), which no later step reads.
+        Lam = Lam.at[k + 1].set(mu)
+        return (Lam, Lam[k] + lam_k, gamma), None
 
-    # Rows: the gradients of q_0 .. q_(d-1), and of r.
-    Lam = conj(jnp.concatenate([ct_Q, ct_r[None]]))
-    carry = (Lam, jnp.zeros((), nu.dtype))
-    (Lam, _), _ = lax.scan(step, carry, jnp.arange(d), reverse=True)
-    g_x0 = next_adjoint(Q[0], nu, Lam[0], ct_nu)
+    # Rows: the gradients of q_0 .. q_(d-1), and a free row for mu_(d-1).
+    Lam = jnp.pad(conj(ct_Q), ((0, 1), (0, 0)))
+    carry = (Lam, conj(ct_r), jnp.zeros((), nu.dtype))
+    (Lam, lam0, _), _ = lax.scan(step, carry, jnp.arange(d), reverse=True)
+    g_x0 = next_adjoint(Q[0], nu, lam0, ct_nu)
     return conj(g_x0), conj(Lam[1:])
 
 

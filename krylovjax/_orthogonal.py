@@ -167,6 +167,21 @@ def next_adjoint(q: Array, beta: Array, g_q: Array, g_beta: Array) -> Array:
     return jnp.where(ok, g_q / as_dtype(safe, q) + q * as_dtype(g_beta, q), 0)
 
 
+def add_outer(Lam: Array, left: list[Array], right: list[Array]) -> Array:
+    r"""$\Lambda_{:d} \mathrel{+}= \sum_i \overline{l_i}\, r_i^\top$ for
+    length-$d$ coefficient vectors $l_i$ and length-$n$ vectors $r_i$, into the
+    first $d$ rows of the $(d + 1, n)$ buffer.
+
+    Written as one elementwise sum rather than a product with the stacked vectors:
+    XLA fuses it into a single pass that reads and writes the buffer once, in place
+    (a product of inner dimension 2 or 4 would write a full-size temporary and add
+    it in a second pass)."""
+    update = Lam[:-1]
+    for coefficients, vector in zip(left, right, strict=True):
+        update = update + conj(coefficients)[:, None] * vector[None, :]
+    return Lam.at[:-1].set(update)
+
+
 def adjoint_mv(transpose_mv: Callable[[Array], Array], g: Array) -> Array:
     r"""$A^H g$ from `operator.transpose().mv`, which applies $A^\top$."""
     return conj(transpose_mv(conj(g)))
