@@ -319,11 +319,22 @@ class SparseOperator(AbstractOperator):
         return jnp.moveaxis(out.reshape(xs.shape[1], xs.shape[0], *xs.shape[2:]), 0, 1)
 
     def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
-        # The sum below from zero: no transposes of the stack, as the generic VJP
-        # of `mm` would make.
+        # The whole stack as one block of columns, (n, k*b): each entry then reads
+        # two contiguous rows, where a stack (k, n) would be read with stride n.
+        indices, shape = self.matrix.indices, self.matrix.shape
         data = jnp.zeros_like(self.matrix.data, jnp.result_type(self.matrix.data, cts))
-        zeros = sparse.BCOO((data, self.matrix.indices), shape=self.matrix.shape)
-        return self.add_param_vjp(SparseOperator(zeros, self.transposed), xs, 0, cts)
+        data = add_sampled(
+            data,
+            indices,
+            self.transposed,
+            _as_columns(cts)[None],
+            _as_columns(xs)[None],
+            0,
+        )
+        grad = SparseOperator(
+            sparse.BCOO((data, indices), shape=shape), self.transposed
+        )
+        return _cotangent(grad)
 
     def add_param_vjp(self, acc: AbstractOperator, stored, first, cts):
         # data_e += sum_k <ct_k[row_e], x_k[col_e]>, a chunk of entries at a time,
