@@ -179,7 +179,7 @@ def funm_action(
     if method == "lanczos":
         fn = _scalar_function(f, d, jnp.finfo(b_promoted.dtype).dtype, arg)
         dec = lanczos(A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
-        nonzero = dec.norm > 0
+        nonzero = dec.norm != 0
         diagonal = jnp.where(nonzero, dec.diagonal, jnp.ones_like(dec.diagonal))
         off_diagonal = jnp.where(
             nonzero, dec.off_diagonal, jnp.zeros_like(dec.off_diagonal)
@@ -190,7 +190,7 @@ def funm_action(
         what = f"the ({d}, {d}) matrix H to a ({d}, {d}) array"
         _check_output(jax.eval_shape(f, square), (d, d), arg, what)
         dec = arnoldi(A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
-        H = jnp.where(dec.norm > 0, dec.hessenberg, jnp.eye(d, dtype=square.dtype))
+        H = jnp.where(dec.norm != 0, dec.hessenberg, jnp.eye(d, dtype=square.dtype))
         coefficients = f(H)[:, 0]
     dtype = standard_result_type(dec.basis.dtype, coefficients.dtype)
     scaled = coefficients.astype(dtype) * dec.norm.astype(dtype)

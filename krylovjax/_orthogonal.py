@@ -120,16 +120,19 @@ def as_dtype(x: Array, like: Array) -> Array:
 
 
 def safe_norm(x: Array) -> Array:
-    """`||x||`, with derivative 0 (not NaN) at `x = 0`."""
+    """`||x||`, with derivative 0 (not NaN) at `x = 0`; a NaN in `x` gives NaN.
+
+    The masks below test `!= 0` (true for NaN), never `> 0`: a NaN in the input
+    must reach the output rather than be taken for a breakdown."""
     squares = jnp.sum(jnp.real(x * conj(x)))
-    positive = squares > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, squares, 1)), 0)
+    nonzero = squares != 0
+    return jnp.where(nonzero, jnp.sqrt(jnp.where(nonzero, squares, 1)), 0)
 
 
 def normalize(x0: Array) -> tuple[Array, Array]:
     r"""$(\nu, q_0) = (\|x_0\|, x_0 / \|x_0\|)$, and $(0, 0)$ for a zero $x_0$."""
     nu = safe_norm(x0)
-    ok = nu > 0
+    ok = nu != 0
     q0 = jnp.where(ok, x0 / as_dtype(jnp.where(ok, nu, 1), x0), 0)
     return nu, q0
 
@@ -140,7 +143,7 @@ def next_vector(w: Array, w0: Array) -> tuple[Array, Array]:
     eps = jnp.finfo(w.dtype).eps
     scale = lax.stop_gradient(safe_norm(w0))
     beta = safe_norm(w)
-    ok = beta > BREAKDOWN * eps * scale
+    ok = ~(beta <= BREAKDOWN * eps * scale)
     beta = jnp.where(ok, beta, 0)
     q = jnp.where(ok, w / as_dtype(jnp.where(ok, beta, 1), w), 0)
     return beta, q
@@ -150,7 +153,7 @@ def next_tangent(q: Array, beta: Array, t_w: Array) -> tuple[Array, Array]:
     r"""Tangent of `next_vector` (or of `normalize`) given its outputs:
     $\dot\beta = \operatorname{Re}\langle q, \dot w\rangle$ and
     $\dot q = (\dot w - q \dot\beta) / \beta$; both zero at breakdown ($\beta = 0$)."""
-    ok = beta > 0
+    ok = beta != 0
     t_beta = jnp.where(ok, real_dot(q, t_w), 0)
     safe = as_dtype(jnp.where(ok, beta, 1), q)
     t_q = jnp.where(ok, (t_w - q * as_dtype(t_beta, q)) / safe, 0)
@@ -161,7 +164,7 @@ def next_adjoint(q: Array, beta: Array, g_q: Array, g_beta: Array) -> Array:
     r"""Transpose of `next_tangent`: the gradient of $w$ from those of $q$ and
     $\beta$, $g_w = g_q / \beta + (g_\beta - \operatorname{Re}\langle q, g_q\rangle
     / \beta)\, q$; zero at breakdown."""
-    ok = beta > 0
+    ok = beta != 0
     safe = jnp.where(ok, beta, 1)
     g_beta = g_beta - jnp.where(ok, real_dot(q, g_q) / safe, 0)
     return jnp.where(ok, g_q / as_dtype(safe, q) + q * as_dtype(g_beta, q), 0)
@@ -259,7 +262,7 @@ def derivative_rule(
         op_axes, out_axes, t_op_axes, t_x0_axis, _, _ = axes
         if batched or any(a is not None for a in jtu.tree_leaves((op_axes, t_op_axes))):
             return None
-        flat = jtu.tree_leaves(out_axes) + [t_x0_axis]
+        flat = jtu.tree_leaves(out_axes, is_leaf=lambda a: a is None) + [t_x0_axis]
         flat_values = jtu.tree_leaves(out) + [t_x0]
         size = next(
             x.shape[a] for x, a in zip(flat_values, flat, strict=True) if a is not None

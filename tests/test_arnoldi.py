@@ -352,3 +352,38 @@ def test_reverse_pass_memory_is_linear_in_d():
     # Autodiff saves the (n, d) basis buffer at every step: O(n d^2).
     assert custom[64] < autodiff / 4
     assert custom[64] < 2.5 * custom[32]
+
+
+# ------------------------------------------------------- regressions, adversarial
+
+
+@pytest.mark.parametrize("decompose", [krylovjax.arnoldi, krylovjax.lanczos])
+def test_jacfwd_in_x0_matches_jacrev(decompose):
+    # Forward mode in the starting vector alone: the tangent primitive is batched
+    # over `x0`'s tangents while the decomposition itself is not.
+    params, _, _, x0 = decomposition_problem("dense", jnp.float64, n=N)
+    A = params + params.T
+
+    def f(x):
+        dec = decompose(A, x, D)
+        return dec.basis, dec.residual
+
+    fwd = jax.jacfwd(f)(x0)
+    rev = jax.jacrev(f)(x0)
+    for a, b in zip(fwd, rev, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("decompose", [krylovjax.arnoldi, krylovjax.lanczos])
+@pytest.mark.parametrize("where", ["A", "x0"])
+def test_nan_input_is_not_taken_for_a_breakdown(decompose, where):
+    # A NaN must reach the output, not be masked to zero vectors as a breakdown.
+    params, _, _, x0 = decomposition_problem("dense", jnp.float64, n=N)
+    A = params + params.T
+    if where == "A":
+        A = A.at[0, 0].set(jnp.nan)
+    else:
+        x0 = x0.at[0].set(jnp.nan)
+    dec = decompose(A, x0, D)
+    assert np.isnan(np.asarray(dec.basis)).any()
+    assert np.isnan(np.asarray(dec.residual)).any()
