@@ -172,7 +172,9 @@ def funm_action(
         )
         raise ValueError(msg)
     # The decomposition checks its arguments again; this names `funm_action`.
-    _, b_promoted, d = check_problem(A, b, d, reorthogonalize, adjoint, fn_name)
+    _, b_promoted, d = check_problem(
+        A, b, d, reorthogonalize, adjoint, fn_name, vector="b"
+    )
     arg = f"{fn_name}(f=...)"
     # For a zero `b` the small matrix is evaluated as the identity instead (its
     # result is multiplied by zero): f(0) may be infinite, log(0) say.

@@ -59,9 +59,16 @@ BREAKDOWN = 100
 
 
 def check_problem(
-    A: Any, x0: Any, d: Any, reorthogonalize: Any, adjoint: Any, fn_name: str
+    A: Any,
+    x0: Any,
+    d: Any,
+    reorthogonalize: Any,
+    adjoint: Any,
+    fn_name: str,
+    vector: str = "x0",
 ) -> tuple[AbstractOperator, Array, int]:
-    """Check the arguments of `arnoldi` or `lanczos`; return them in internal form."""
+    """Check the arguments of `arnoldi` or `lanczos` (or of a function built on
+    them, whose starting vector is called `vector`); return them in internal form."""
     if not isinstance(reorthogonalize, bool | np.bool_):
         msg = (
             f"`{fn_name}(reorthogonalize=...)` must be a bool; got "
@@ -70,24 +77,42 @@ def check_problem(
         raise TypeError(msg)
     check_choice(adjoint, ADJOINTS, f"{fn_name}(adjoint=...)")
     d = check_depth(d, fn_name)
-    x0 = as_array(x0, f"{fn_name}(x0=...)")
+    x0 = as_array(x0, f"{fn_name}({vector}=...)")
     if x0.ndim != 1:
         msg = (
-            f"`{fn_name}(x0=...)` must be one vector of shape (n,); got shape "
+            f"`{fn_name}({vector}=...)` must be one vector of shape (n,); got shape "
             f"{x0.shape}. For a batch of starting vectors, use `jax.vmap`."
         )
         raise ValueError(msg)
     check_output_size(d, [x0], fn_name)
     operator, x0 = as_operator(A, x0, fn_name)
+    for name, arrays in (("A", operator), (vector, x0)):
+        if _on_explicit_mesh(arrays):
+            msg = (
+                f"`{fn_name}({name}=...)` is sharded on a mesh with "
+                "`AxisType.Explicit`, which the orthogonal decompositions do not "
+                "support yet; use a mesh with `AxisType.Auto` (or `krylov`, which "
+                "supports both)."
+            )
+            raise ValueError(msg)
     n = x0.shape[0]
     if d > n:
         msg = (
-            f"`{fn_name}(d=...)` must be at most n = {n}, the length of `x0` (an "
+            f"`{fn_name}(d=...)` must be at most n = {n}, the length of `{vector}` (an "
             f"orthonormal basis of length-{n} vectors has at most {n} of them); "
             f"got {d}."
         )
         raise ValueError(msg)
     return operator, x0, d
+
+
+def _on_explicit_mesh(tree: Any) -> bool:
+    return any(
+        jax.sharding.AxisType.Explicit in jax.typeof(x).sharding.mesh.axis_types
+        and any(p is not None for p in jax.typeof(x).sharding.spec)
+        for x in jtu.tree_leaves(tree)
+        if eqx.is_array(x)
+    )
 
 
 # ------------------------------------------------------------- small pieces

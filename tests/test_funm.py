@@ -15,7 +15,7 @@ import jax.scipy.linalg
 import numpy as np
 import pytest
 import scipy.linalg
-from helpers import Linear, unchecked
+from helpers import Linear, run_on_four_devices, unchecked
 from jax.experimental import sparse
 from jax.test_util import check_grads
 
@@ -681,3 +681,12 @@ def test_trace_funm_errors():
         unchecked(trace)(None, A_ERR, key, 2, num_probes=2)
     with pytest.raises(ValueError, match=r"`trace_funm\(f=...\)` must map the \(2,\)"):
         trace(jnp.sum, A_ERR, key, 2, num_probes=2)
+
+
+def test_row_sharded_matrix_on_both_mesh_kinds():
+    # Four forced host devices in a subprocess; see
+    # `_decomposition_sharding_script.py`.
+    record = run_on_four_devices("_decomposition_sharding_script.py")
+    assert max(record["Auto"]["errors"]) < 1e-12, record
+    assert "Explicit" in record["Explicit"]["error"], record
+    assert "(A=...)" in record["Explicit"]["error"], record
