@@ -26,14 +26,9 @@ MIN_VERSIONS = [
     "jaxtyping==0.2.33",
     "optax==0.2.4",
 ]
-# Tests that need a newer jax than the library does: `jax.enable_x64` (jax 0.8.0),
-# `str(PartitionSpec)` written as "P(...)" (jax 0.9.1), and two known limitations on
-# jax 0.7.2 (CHANGELOG): `grad` of a function vmapped over a batch of operators
-# (an assertion in JAX's transposition of the vmapped tangent scan), and a BCOO
-# matrix on an `Explicit` mesh (a sharding error in the product's gather).
+# Tests that need a newer jax than the library does: `jax.enable_x64` (jax 0.8.0)
+# and `str(PartitionSpec)` written as "P(...)" (jax 0.9.1).
 NEWER_JAX_TESTS = [
-    "tests/test_arnoldi.py::test_vmap_jit_and_grad_compose",
-    "tests/test_sparse.py::test_row_partitioned_graph_matches_one_device",
     "tests/test_docstrings.py::test_docstring_examples",
     "tests/test_docstrings.py::test_doc_page_examples",
     "tests/test_inputs.py::test_integer_dtype_reported_as_given",

@@ -12,9 +12,12 @@ arguments, whose
   residual;
 - JVP rule differentiates the implementation with JAX's own rules (second
   derivatives);
-- batching rule is the implementation, vmapped: `vmap` of `grad` keeps the
-  hand-written reverse pass for every batch member, while `grad` of a vmapped call
-  transposes the tangent scan with JAX's rules (correct, with more memory).
+- batching rule binds the primitive again: on the batch folded into each vector
+  (the `batch` hook, e.g. a batch of starting vectors for one operator), or else
+  a second primitive whose implementation and transpose rule are the first's,
+  vmapped (a batch of operators). So `grad` of a vmapped call also runs the
+  hand-written reverse pass, never JAX's transposition of the tangent scan (which
+  jax 0.7-0.9 cannot do for a vmapped scan).
 
 `tangent_primitive(name, impl, transpose, like)` builds one from two functions of
 pytrees (`equinox.internal`'s filtered primitives, as lineax's `linear_solve` uses):
@@ -67,7 +70,59 @@ def _zeros_like_inexact(tree):
 
 
 class _NotRebound(Exception):
-    """The `batch` hook declined: vmap the implementation instead."""
+    """The `batch` hook declined: bind the vmapped primitive instead."""
+
+
+def _vmap_over(fn, inputs, axes, out_axes=0):
+    """`fn(*inputs)` vmapped over the array leaves of `inputs` along `axes` (a tree
+    like `inputs`, `None` where a leaf is not batched or not an array)."""
+    dynamic, static = eqx.partition(inputs, eqx.is_array)
+    return jax.vmap(
+        lambda dynamic: fn(*eqx.combine(dynamic, static)),
+        in_axes=(axes,),
+        out_axes=out_axes,
+    )(dynamic)
+
+
+def _unbatched(x, axis):
+    """An undefined primal with its batch axis removed."""
+    if not _is_undefined(x) or axis is None:
+        return x
+    shape = x.aval.shape[:axis] + x.aval.shape[axis + 1 :]
+    return ad.UndefinedPrimal(ShapedArray(shape, x.aval.dtype))
+
+
+def _to_axis(ct, x, axis):
+    """A cotangent computed with the batch first, for an input batched on `axis`
+    (summed over the batch if the input was not batched)."""
+    if ct is None or not _is_undefined(x):
+        return ct
+    return jnp.sum(ct, 0) if axis is None else jnp.moveaxis(ct, 0, axis)
+
+
+def _define(name: str, impl: Callable, abstract_eval: Callable, transpose: Callable):
+    """A primitive on pytrees from its implementation, abstract evaluation and
+    transpose rule; its JVP rule differentiates the implementation. Returns the
+    primitive and its flat implementation (for a batching rule)."""
+
+    def jvp(primals, tangents):
+        tangents = tuple(
+            _zeros_like_inexact(p) if t is None else t
+            for p, t in zip(primals, tangents, strict=True)
+        )
+        return eqx.filter_jvp(impl, tuple(primals), tangents)
+
+    prim_impl = eqxi.filter_primitive_def(impl)
+    prim = jax.extend.core.Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(prim_impl)
+    prim.def_abstract_eval(eqxi.filter_primitive_def(abstract_eval))
+    ad.primitive_jvps[prim] = eqxi.filter_primitive_jvp(jvp)
+    ad.primitive_transposes[prim] = eqxi.filter_primitive_transpose(
+        transpose, materialise_zeros=True
+    )
+    mlir.register_lowering(prim, mlir.lower_fun(prim_impl, multiple_results=True))
+    return prim, prim_impl
 
 
 def tangent_primitive(
@@ -82,9 +137,10 @@ def tangent_primitive(
     Its output has the structure, shapes, dtypes and shardings of argument number
     `like` (the stored trajectory whose tangents it computes). Under `vmap`,
     `batch(bind, args, batch_axes)` may return `(out, out_axis)` from a call of the
-    primitive itself on batched arguments, so that `grad` of a vmapped function
-    still transposes with `transpose`; where it returns `None` (or is not given)
-    the implementation is vmapped instead.
+    primitive itself on batched arguments; where it returns `None` (or is not
+    given), a second primitive is bound, whose implementation and transpose are
+    `impl` and `transpose` vmapped. Either way `grad` of a vmapped function
+    transposes with `transpose`, never by JAX's transposition of the tangent scan.
     """
 
     def impl_flat(*args):
@@ -98,47 +154,89 @@ def tangent_primitive(
             ),
         )
 
-    def jvp(primals, tangents):
-        tangents = tuple(
-            _zeros_like_inexact(p) if t is None else t
-            for p, t in zip(primals, tangents, strict=True)
-        )
-        return eqx.filter_jvp(impl_flat, tuple(primals), tangents)
-
     def transpose_rule(inputs, cts_out):
         (ct,) = cts_out
         return transpose(inputs, ct)
 
-    prim_impl = eqxi.filter_primitive_def(impl_flat)
-    prim = jax.extend.core.Primitive(name)
-    prim.multiple_results = True
-    prim.def_impl(prim_impl)
-    prim.def_abstract_eval(eqxi.filter_primitive_def(abstract_eval))
-    ad.primitive_jvps[prim] = eqxi.filter_primitive_jvp(jvp)
-    ad.primitive_transposes[prim] = eqxi.filter_primitive_transpose(
-        transpose_rule, materialise_zeros=True
+    # The vmapped primitive: arguments `(args, axes)`, the output batched first.
+    def impl_vmapped(args, axes):
+        return (_vmap_over(impl, args, axes),)
+
+    def abstract_eval_vmapped(args, axes):
+        # Like argument `like`, with the batch axis first.
+        sizes = []
+        jtu.tree_map(
+            lambda a, x: a is None or sizes.append(x.shape[a]),
+            axes,
+            args,
+            is_leaf=lambda a: a is None,
+        )
+        size = sizes[0]
+
+        def batched(axis, s):
+            shape = list(s.shape)
+            shape.insert(0, size if axis is None else shape.pop(axis))
+            return ShapedArray(tuple(shape), s.dtype)
+
+        return (
+            jtu.tree_map(batched, axes[like], args[like], is_leaf=lambda a: a is None),
+        )
+
+    def transpose_vmapped(inputs, cts_out):
+        (ct,) = cts_out
+        args, axes = inputs
+        # Leaf by leaf: the arrays are vmapped along their axes; the undefined
+        # primals (what cotangents are wanted for) and Python values stay outside,
+        # the former without their batch axis.
+        leaves, treedef = jtu.tree_flatten(args, is_leaf=_is_undefined)
+        leaf_axes = treedef.flatten_up_to(axes)
+        arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
+        wanted = [i for i, x in enumerate(leaves) if _is_undefined(x)]
+        fixed = list(leaves)
+        for i in wanted:
+            fixed[i] = _unbatched(leaves[i], leaf_axes[i])
+
+        def one(values, ct):
+            full = list(fixed)
+            for i, v in zip(arrays, values, strict=True):
+                full[i] = v
+            cts = treedef.flatten_up_to(transpose(treedef.unflatten(full), ct))
+            return [cts[i] for i in wanted]
+
+        values = [leaves[i] for i in arrays]
+        in_axes = ([leaf_axes[i] for i in arrays], 0)
+        cts_wanted = jax.vmap(one, in_axes=in_axes)(values, ct)
+        cts: list = [None] * len(leaves)
+        for i, c in zip(wanted, cts_wanted, strict=True):
+            cts[i] = _to_axis(c, leaves[i], leaf_axes[i])
+        return treedef.unflatten(cts), nones(axes)
+
+    prim, _ = _define(name, impl_flat, abstract_eval, transpose_rule)
+    prim_vmapped, vmapped_impl = _define(
+        f"{name}_vmapped", impl_vmapped, abstract_eval_vmapped, transpose_vmapped
     )
+
+    def batch_vmapped(args, dims, **params):
+        # vmap of vmap (rare): the implementation, vmapped once more.
+        outs = jax.vmap(ft.partial(vmapped_impl, **params), in_axes=dims)(*args)
+        return outs, [0] * len(outs)
+
+    batching.primitive_batchers[prim_vmapped] = batch_vmapped
 
     def bind(*args):
         (out,) = eqxi.filter_primitive_bind(prim, *args)
         return out
 
     def rebind(inputs, batch_axes):
-        rebound = batch(bind, inputs, batch_axes)  # pyright: ignore[reportOptionalCall]
+        rebound = None if batch is None else batch(bind, inputs, batch_axes)
         if rebound is None:
-            raise _NotRebound
+            (out,) = eqxi.filter_primitive_bind(prim_vmapped, inputs, batch_axes)
+            return (out,), (jtu.tree_map(lambda _: 0, out),)
         out, axis = rebound
         return (out,), (jtu.tree_map(lambda _: axis, out),)
 
     def batch_rule(args, dims, **params):
-        if batch is not None:
-            try:
-                return eqxi.filter_primitive_batching(rebind)(args, dims, **params)
-            except _NotRebound:
-                pass
-        outs = jax.vmap(ft.partial(prim_impl, **params), in_axes=dims)(*args)
-        return outs, [0] * len(outs)
+        return eqxi.filter_primitive_batching(rebind)(args, dims, **params)
 
     batching.primitive_batchers[prim] = batch_rule
-    mlir.register_lowering(prim, mlir.lower_fun(prim_impl, multiple_results=True))
     return bind
