@@ -75,13 +75,23 @@ class _NotRebound(Exception):
 
 def _vmap_over(fn, inputs, axes, out_axes=0):
     """`fn(*inputs)` vmapped over the array leaves of `inputs` along `axes` (a tree
-    like `inputs`, `None` where a leaf is not batched or not an array)."""
-    dynamic, static = eqx.partition(inputs, eqx.is_array)
-    return jax.vmap(
-        lambda dynamic: fn(*eqx.combine(dynamic, static)),
-        in_axes=(axes,),
-        out_axes=out_axes,
-    )(dynamic)
+    like `inputs`, `None` where a leaf is not batched or not an array).
+
+    Leaf by leaf, so that containers whose leaves vmap cannot match against a tree
+    of axes (a BCOO matrix inside an operator) need no special case."""
+    leaves, treedef = jtu.tree_flatten(inputs)
+    leaf_axes = treedef.flatten_up_to(axes)
+    arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
+
+    def one(values):
+        full = list(leaves)
+        for i, v in zip(arrays, values, strict=True):
+            full[i] = v
+        return fn(*treedef.unflatten(full))
+
+    values = [leaves[i] for i in arrays]
+    in_axes = ([leaf_axes[i] for i in arrays],)
+    return jax.vmap(one, in_axes=in_axes, out_axes=out_axes)(values)
 
 
 def _unbatched(x, axis):
