@@ -129,22 +129,34 @@ def adjoint_chunks(
     transpose_mv = transpose.mv
 
     def reverse(lam_next, g_rows):
-        # The adjoint vectors of the rows of `g_rows`, last first; they are only
-        # stacked when the operator's gradient needs them.
+        # The adjoint vectors of the rows of `g_rows`, last first. When the
+        # operator's gradient needs them, each overwrites its own row of cotangent
+        # in `g_rows` (a fresh chunk-sized copy, updated in place): the chunk's
+        # cotangents and adjoints share one buffer.
         def step(lam_next, g_i):
-            lam_i = typed_like(transpose.mv_add(lam_next, g_i), lam_next)
-            return lam_i, lam_i if want_operator else None
+            return typed_like(transpose.mv_add(lam_next, g_i), lam_next)
 
         if g_rows.shape[0] == 1:
             # One step (vectors so wide that a chunk holds one): no loop, whose
             # carry and stacked output would be two copies of the same vector.
             # The last row's adjoint is its cotangent: no product with zeros.
             g_i = g_rows[0]
-            lam_i = g_i if lam_next is None else step(lam_next, g_i)[0]
+            lam_i = g_i if lam_next is None else step(lam_next, g_i)
             return lam_i, lam_i[None] if want_operator else None
         if lam_next is None:
             lam_next = jnp.zeros_like(x0)
-        return lax.scan(step, lam_next, g_rows, reverse=True)
+        if not want_operator:
+            return lax.scan(
+                lambda lam, g_i: (step(lam, g_i), None), lam_next, g_rows, reverse=True
+            )
+        last = g_rows.shape[0] - 1
+
+        def overwrite(j, carry):
+            lam_next, buffer = carry
+            lam_i = step(lam_next, lax.dynamic_index_in_dim(buffer, last - j, 0, False))
+            return lam_i, lax.dynamic_update_index_in_dim(buffer, lam_i, last - j, 0)
+
+        return lax.fori_loop(0, last + 1, overwrite, (lam_next, g_rows))
 
     def pairs(start, size, lam_next, acc):
         # Rows start .. start + size - 1 of the tail: their adjoint vectors, and
