@@ -24,10 +24,11 @@ $$\dot w^{(0)} = A \dot q_k + \dot A q_k, \qquad
 
 $\dot\beta_k = \operatorname{Re}\langle q_{k+1}, \dot w^{(2)}\rangle$ and
 $\dot q_{k+1} = (\dot w^{(2)} - q_{k+1} \dot\beta_k) / \beta_k$. Every primal
-intermediate is recomputed in batch from the outputs: $W = A Q$ is one batched
-product, $h^{(1)}$ the upper triangle of $Q^H W$, $h^{(2)} = H - h^{(1)}$ (upper
-part), and the rows $w^{(1)} = w^{(0)} - Q h^{(1)}$ one GEMM, $W^{(1)} = W -
-{H^{(1)}}^\top Q$. $\dot A Q$ is one batched product too.
+intermediate is recomputed in batch from the outputs, with no product with $A$:
+$W = A Q$ is $Q H + r e_{d-1}^\top$, the relation each step establishes as it
+computes (one GEMM with the small $H$), $h^{(1)}$ the upper triangle of $Q^H W$,
+$h^{(2)} = H - h^{(1)}$ (upper part), and the rows $w^{(1)} = w^{(0)} - Q h^{(1)}$
+one GEMM, $W^{(1)} = W - {H^{(1)}}^\top Q$. $\dot A Q$ is one batched product.
 
 **Adjoint** (`arnoldi_adjoint`, the transpose of the tangent map). With Riesz
 gradients $G_Q$, $G_H$, $g_r$, $g_\nu$ of the outputs, a buffer $\Lambda$ of
@@ -49,7 +50,7 @@ $$a^{(p)} = m_k \odot \big((G_H)_{:,k} - Q^H g^{(p)}\big), \quad
   g^{(p-1)} = g^{(p)} + Q a^{(p)},$$
 
 (the rank-one updates of both passes as one fused elementwise pass over the
-buffer, in place; their coefficients vanish beyond row $k$). The multiplier
+buffer's rows $0, \dots, k$, in place; their coefficients vanish beyond row $k$). The multiplier
 $\mu_k = g^{(0)}$ is the gradient of $\dot w^{(0)}_k = \dots + \dot A q_k$; it
 is written into row $k + 1$, whose $\lambda_{k+1}$ no later (smaller) step needs,
 and the next carried vector is the completed $\lambda_k = \Lambda_k + A^H
@@ -243,17 +244,20 @@ def _hessenberg(hs: Array, betas: Array) -> Array:
     return hs.T + jnp.diag(as_dtype(betas[:-1], hs), -1)
 
 
-def _recompute(operator: AbstractOperator, out, reorth: bool):
+def _recompute(out, reorth: bool):
     r"""The per-step primal intermediates, in batch: for each Gram-Schmidt pass
     `p`, the pair `(W_p, H_p)` of the vectors $w^{(p-1)}$ (rows `(d, n)`) and the
     coefficients $h^{(p)}$ (columns of a `(d, d)` array), and $\beta$ with a zero
     appended (the last step's new vector is the residual, not normalised).
 
-    $W^{(0)} = A Q$ is one batched product and $W^{(1)} = W^{(0)} - {H^{(1)}}^\top
-    Q$ one GEMM, so the scans only read rows of them."""
-    Q, H = out[0], out[1]
+    $W^{(0)} = A Q$ and $W^{(1)} = W^{(0)} - {H^{(1)}}^\top Q$ are one GEMM each,
+    so the scans only read rows of them."""
+    Q, H, r = out[0], out[1], out[2]
     d = Q.shape[0]
-    W = operator.mm(Q)
+    # A q_k = sum_j H_jk q_j (+ r at the last step): the step computed A q_k and
+    # split it into exactly these parts, so, rounding aside, this is W = A Q
+    # without a product with A.
+    W = (H.T @ Q).at[-1].add(r)
     upper = jnp.triu(jnp.ones((d, d), bool))
     H_upper = jnp.where(upper, H, 0)
     betas = _append_zero(jnp.real(jnp.diagonal(H, -1)))
@@ -276,7 +280,7 @@ def arnoldi_tangent(operator, out, t_operator, t_x0, reorth):
     """The tangents of `arnoldi_forward`'s outputs (see the module docstring)."""
     Q, _, _, nu = out
     d = Q.shape[0]
-    passes, betas = _recompute(operator, out, reorth)
+    passes, betas = _recompute(out, reorth)
     U = operator_tangent(operator, t_operator, Q)
     t_nu, t_q0 = next_tangent(Q[0], nu, t_x0)
     t_Q = jnp.zeros_like(Q).at[0].set(t_q0)
@@ -311,7 +315,7 @@ def arnoldi_adjoint(operator, out, ct, reorth):
     ct_Q, ct_H, ct_r, ct_nu = ct
     G_H = conj(ct_H)
     g_betas = _append_zero(jnp.real(jnp.diagonal(G_H, -1)))
-    passes, betas = _recompute(operator, out, reorth)
+    passes, betas = _recompute(out, reorth)
     transpose_mv = operator.transpose().mv
     rows = jnp.arange(d)
 
@@ -330,8 +334,8 @@ def arnoldi_adjoint(operator, out, ct, reorth):
             left += [-h_p, a]
             right += [g, w_prev]
             g = g + combine(Q, a)
-        # The rank-one updates of both passes in one pass over rows 0 .. d - 1.
-        Lam = add_outer(Lam, left, right)
+        # The rank-one updates of both passes in one pass over rows 0 .. k.
+        Lam = add_outer(Lam, left, right, k)
         # mu_k = g: into the row of q_(k+1), which no later step reads.
         Lam = Lam.at[k + 1].set(g)
         return (Lam, Lam[k] + adjoint_mv(transpose_mv, g)), None

@@ -28,9 +28,11 @@ $$\dot c = m_k \odot (\dot Q^H w^{(1)} + Q^H \dot w^{(1)}), \quad
   \dot w^{(2)} = \dot w^{(1)} - \dot Q c - Q \dot c,$$
 
 then $\dot\beta_k$ and $\dot q_{k+1}$ as for Arnoldi. The primal intermediates are
-recomputed in batch from the outputs: $W^{(1)} = A Q - \beta_{k-1} q_{k-1}
-- \alpha_k q_k$ row by row (one batched product), $u = w^{(1)} + \alpha_k q_k$,
-and $c$ as the columns of the upper triangle of $Q^H W^{(1)}$.
+recomputed in batch from the outputs: without re-orthogonalisation $w^{(1)}_k =
+\beta_k q_{k+1}$ (and $r$ at the last step), as the step normalised it, with no
+product with $A$; with it, $W^{(1)} = A Q - \beta_{k-1} q_{k-1} - \alpha_k q_k$
+row by row (one batched product) and $c$ as the columns of the upper triangle of
+$Q^H W^{(1)}$. Then $u = w^{(1)} + \alpha_k q_k$.
 
 **Adjoint** (`lanczos_adjoint`, the transpose of the tangent map). With Riesz
 gradients $G_Q$, $g_\alpha$, $g_\beta$, $g_r$, $g_\nu$ of the outputs, the buffer
@@ -275,18 +277,23 @@ def _recompute(operator: AbstractOperator, out, reorth: bool):
     r"""The per-step primal intermediates, in batch: $W^{(1)}$ (rows), $\beta_{k-1}$
     and $\beta_k$ by step (zero where there is none), and the
     re-orthogonalisation coefficients $c$ as columns."""
-    Q, alpha, beta = out[0], out[1], out[2]
+    Q, alpha, beta, r = out[0], out[1], out[2], out[3]
     d = Q.shape[0]
     beta_prev = jnp.concatenate([jnp.zeros((1,), beta.dtype), beta])
+    if not reorth:
+        # Without re-orthogonalisation each step normalises w_k itself: w_k =
+        # beta_k q_(k+1), and the residual r at the last step. No product with A.
+        W1 = jnp.concatenate([as_dtype(beta, Q)[:, None] * Q[1:], r[None]])
+        return W1, beta_prev, _append_zero(beta), None
+    # With it, w_k = beta_k q_(k+1) + Q c_k, and c is not an output: W^(1) comes
+    # from one batched product, and c from it.
     Q_prev = jnp.concatenate([jnp.zeros_like(Q[:1]), Q[:-1]])
     W1 = (
         operator.mm(Q)
         - as_dtype(beta_prev, Q)[:, None] * Q_prev
         - as_dtype(alpha, Q)[:, None] * Q
     )
-    C = None
-    if reorth:
-        C = jnp.where(jnp.triu(jnp.ones((d, d), bool)), conj(Q) @ W1.T, 0)
+    C = jnp.where(jnp.triu(jnp.ones((d, d), bool)), conj(Q) @ W1.T, 0)
     return W1, beta_prev, _append_zero(beta), C
 
 
@@ -350,7 +357,7 @@ def lanczos_adjoint(operator, out, ct, reorth):
         q, w, a = Q[k], W1[k], as_dtype(alpha[k], Q)
         if C is not None:
             coef = jnp.where(rows <= k, -project(Q, g), 0)
-            Lam = add_outer(Lam, [-C[:, k], coef], [g, w])
+            Lam = add_outer(Lam, [-C[:, k], coef], [g, w], k)
             g = g + combine(Q, coef)
         eta = ct_alpha[k] - real_dot(q, g)
         mu = g + as_dtype(eta, q) * q

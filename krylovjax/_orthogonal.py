@@ -195,19 +195,48 @@ def next_adjoint(q: Array, beta: Array, g_q: Array, g_beta: Array) -> Array:
     return jnp.where(ok, g_q / as_dtype(safe, q) + q * as_dtype(g_beta, q), 0)
 
 
-def add_outer(Lam: Array, left: list[Array], right: list[Array]) -> Array:
-    r"""$\Lambda_{:d} \mathrel{+}= \sum_i \overline{l_i}\, r_i^\top$ for
-    length-$d$ coefficient vectors $l_i$ and length-$n$ vectors $r_i$, into the
-    first $d$ rows of the $(d + 1, n)$ buffer.
+# `add_outer` updates the buffer this many rows at a time.
+OUTER_ROWS = 8
 
-    Written as one elementwise sum rather than a product with the stacked vectors:
-    XLA fuses it into a single pass that reads and writes the buffer once, in place
+
+def add_outer(
+    Lam: Array, left: list[Array], right: list[Array], last: Array | int
+) -> Array:
+    r"""$\Lambda_{:d} \mathrel{+}= \sum_i \overline{l_i}\, r_i^\top$ for
+    length-$d$ coefficient vectors $l_i$ that are zero beyond entry `last`, and
+    length-$n$ vectors $r_i$, into the first $d$ rows of the $(d + 1, n)$ buffer.
+
+    Written as elementwise sums rather than a product with the stacked vectors:
+    XLA fuses each into a single pass that reads and writes its rows once, in place
     (a product of inner dimension 2 or 4 would write a full-size temporary and add
-    it in a second pass)."""
-    update = Lam[:-1]
-    for coefficients, vector in zip(left, right, strict=True):
-        update = update + conj(coefficients)[:, None] * vector[None, :]
-    return Lam.at[:-1].set(update)
+    it in a second pass). Only the blocks of `OUTER_ROWS` rows up to row `last`
+    are visited, so that the steps of a reverse scan touch a triangle of the
+    buffer rather than all of it each time."""
+    d = Lam.shape[0] - 1
+    if d <= OUTER_ROWS:
+        update = Lam[:-1]
+        for coefficients, vector in zip(left, right, strict=True):
+            update = update + conj(coefficients)[:, None] * vector[None, :]
+        return Lam.at[:-1].set(update)
+
+    def block(b, Lam):
+        # The last block is moved back to end at row d - 1; the rows it shares
+        # with the block before, already updated, are masked out.
+        start = jnp.minimum(b * OUTER_ROWS, d - OUTER_ROWS)
+        fresh = start + jnp.arange(OUTER_ROWS) >= b * OUTER_ROWS
+        update = lax.dynamic_slice_in_dim(Lam, start, OUTER_ROWS)
+        for coefficients, vector in zip(left, right, strict=True):
+            c = lax.dynamic_slice_in_dim(coefficients, start, OUTER_ROWS)
+            c = jnp.where(fresh, conj(c), 0)
+            update = update + c[:, None] * vector[None, :]
+        return lax.dynamic_update_slice_in_dim(Lam, update, start, 0)
+
+    def maybe(b, Lam):
+        # A fixed number of blocks with a `cond`, rather than a loop to `last`: a
+        # loop with a traced bound could not be differentiated in reverse mode.
+        return lax.cond(b * OUTER_ROWS <= last, block, lambda b, Lam: Lam, b, Lam)
+
+    return lax.fori_loop(0, -(-d // OUTER_ROWS), maybe, Lam)
 
 
 def adjoint_mv(transpose_mv: Callable[[Array], Array], g: Array) -> Array:
