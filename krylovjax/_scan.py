@@ -11,14 +11,16 @@ $$\lambda_{d-1} = g_{d-1}, \qquad \lambda_i = g_i + A^\top \lambda_{i+1},$$
 and then the gradient of $x_0$ is $\lambda_0$ and the gradient of $A$ is
 $\sum_{i=1}^{d-1} \lambda_i x_{i-1}^\top$. `adjoint_chunks` solves the recurrence
 backwards by one reverse `lax.scan` over chunks of `CHUNK` steps: each chunk's
-adjoint vectors go into one buffer of `CHUNK` rows, and its share of the
+slice of the cotangent is copied once and its adjoint vectors overwrite it, row by
+row, so one buffer of `CHUNK` rows holds both; the chunk's share of the
 operator's gradient is one batched product with the matching stored vectors (a
 GEMM for a dense matrix, one sampled product for BCOO, one batched VJP for a
 callable; see `_operator.py`), added to a running sum. The cotangent and the
-stored vectors are only read, a chunk at a time, never copied or written, so the
-reverse pass needs the forward output (its only residual, besides the operator)
-plus one chunk, whatever form the cotangent has: a fresh array, a broadcast
-constant (`X.sum()`), a closed-over weight.
+stored vectors are only read, a chunk at a time, never copied whole or written, so
+the reverse pass needs the forward output (its only residual, besides the
+operator) plus a chunk's buffers (the adjoints, the slice of stored vectors the
+product reads, one block of the product), whatever form the cotangent has: a
+fresh array, a broadcast constant (`X.sum()`), a closed-over weight.
 
 The transpose is JAX's convention for complex numbers too: the rule computes the
 vector-Jacobian product (plain transpose, no conjugation), exactly what autodiff
