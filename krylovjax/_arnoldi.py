@@ -50,14 +50,15 @@ $$a^{(p)} = m_k \odot \big((G_H)_{:,k} - Q^H g^{(p)}\big), \quad
   g^{(p-1)} = g^{(p)} + Q a^{(p)},$$
 
 (the rank-one updates of both passes as one fused elementwise pass over the
-buffer's rows $0, \dots, k$, in place; their coefficients vanish beyond row $k$). The multiplier
-$\mu_k = g^{(0)}$ is the gradient of $\dot w^{(0)}_k = \dots + \dot A q_k$; it
-is written into row $k + 1$, whose $\lambda_{k+1}$ no later (smaller) step needs,
-and the next carried vector is the completed $\lambda_k = \Lambda_k + A^H
-g^{(0)}$, so the buffer ends as $[\cdot, \mu_0, \dots, \mu_{d-1}]$ and the
-carry as $\lambda_0$. The scan only writes to $\Lambda$ and reads it after the
-writes, so XLA updates it in place (no copy of the buffer per step). Then (Riesz
-gradients; JAX's cotangents are their conjugates)
+buffer's rows $0, \dots, k$, in place; their coefficients vanish beyond row
+$k$). The multiplier $\mu_k = g^{(0)}$ is the gradient of $\dot w^{(0)}_k =
+\dots + \dot A q_k$; it is written into row $k + 1$, whose $\lambda_{k+1}$ no
+later (smaller) step needs, and the next carried vector is the completed
+$\lambda_k = \Lambda_k + A^H g^{(0)}$, so the buffer ends as $[\cdot, \mu_0,
+\dots, \mu_{d-1}]$ and the carry as $\lambda_0$. The scan only writes to
+$\Lambda$ and reads it after the writes, so XLA updates it in place (no copy of
+the buffer per step). Then (Riesz gradients; JAX's cotangents are their
+conjugates)
 
 $$g_{x_0} = \lambda_0 / \nu + (g_\nu - \operatorname{Re}\langle q_0, \lambda_0
   \rangle / \nu)\, q_0, \qquad
@@ -90,6 +91,7 @@ from ._orthogonal import (
     next_tangent,
     next_vector,
     normalize,
+    on_mesh,
     operator_tangent,
     project,
 )
@@ -206,10 +208,13 @@ def arnoldi(
     """
     operator, x0, d = check_problem(A, x0, d, reorthogonalize, adjoint, "arnoldi")
     reorth = bool(reorthogonalize)
-    if adjoint == "autodiff":
-        Q, H, r, nu = arnoldi_forward(operator, x0, d, reorth)
-    else:
-        Q, H, r, nu = arnoldi_custom_jvp(operator, x0, d, reorth)
+    rule = arnoldi_forward if adjoint == "autodiff" else arnoldi_custom_jvp
+    Q, H, r, nu = on_mesh(
+        lambda operator, x0: rule(operator, x0, d, reorth),
+        operator,
+        x0,
+        ("rows", "small", "vector", "small"),
+    )
     return Arnoldi(basis=Q.T, hessenberg=H, residual=r, norm=nu)
 
 

@@ -179,13 +179,13 @@ def funm_action(
     # For a zero `b` the small matrix is evaluated as the identity instead (its
     # result is multiplied by zero): f(0) may be infinite, log(0) say.
     if method == "lanczos":
-        fn = _scalar_function(f, d, jnp.finfo(b_promoted.dtype).dtype, arg)
         dec = lanczos(A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
         nonzero = dec.norm != 0
         diagonal = jnp.where(nonzero, dec.diagonal, jnp.ones_like(dec.diagonal))
         off_diagonal = jnp.where(
             nonzero, dec.off_diagonal, jnp.zeros_like(dec.off_diagonal)
         )
+        fn = _scalar_function(f, jnp.zeros_like(diagonal), arg)
         coefficients = _funm_e0(fn, diagonal, off_diagonal)
     else:
         square = jax.ShapeDtypeStruct((d, d), b_promoted.dtype)
@@ -308,10 +308,11 @@ def trace_funm(
     check_problem(A, jnp.zeros((n,), dtype), d, reorthogonalize, adjoint, fn_name)
     real = jnp.finfo(dtype).dtype
     probes = _draw(key, sampler, num_probes, n, real).astype(dtype)
-    fn = _scalar_function(f, d, real, f"{fn_name}(f=...)")
+    arg = f"{fn_name}(f=...)"
 
     def quadrature(z):
         dec = lanczos(A, z, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
+        fn = _scalar_function(f, jnp.zeros_like(dec.diagonal), arg)
         c = _funm_e0(fn, dec.diagonal, dec.off_diagonal)[0]
         return (dec.norm * dec.norm).astype(c.dtype) * c
 
@@ -396,9 +397,14 @@ def _divided_differences(lam: Array, values: Array, derivatives: Array) -> Array
 # --------------------------------------------------------------------- checks
 
 
-def _scalar_function(f: Callable, d: int, real: Any, arg: str) -> Callable:
-    """`f` closure-converted on `(d,)` eigenvalues; its output checked."""
-    example = jnp.zeros((d,), real)
+def _scalar_function(f: Callable, example: Array, arg: str) -> Callable:
+    """`f` closure-converted on `(d,)` eigenvalues like `example`; its output
+    checked.
+
+    The example is typed like the eigenvalues it will be called with (on a mesh,
+    its sharding too: the closure-converted function checks that), so it is made
+    from the tridiagonal matrix's own diagonal."""
+    (d,) = example.shape
     fn = eqx.filter_closure_convert(f, example)
     out = jax.eval_shape(fn, example)
     _check_output(out, (d,), arg, f"the ({d},) eigenvalues of T to ({d},) values")

@@ -94,6 +94,7 @@ from ._orthogonal import (
     next_tangent,
     next_vector,
     normalize,
+    on_mesh,
     operator_tangent,
     project,
     real_dot,
@@ -235,10 +236,13 @@ def lanczos(
     """
     operator, x0, d = check_problem(A, x0, d, reorthogonalize, adjoint, "lanczos")
     reorth = bool(reorthogonalize)
-    if adjoint == "autodiff":
-        Q, alpha, beta, r, nu = lanczos_forward(operator, x0, d, reorth)
-    else:
-        Q, alpha, beta, r, nu = lanczos_custom_jvp(operator, x0, d, reorth)
+    rule = lanczos_forward if adjoint == "autodiff" else lanczos_custom_jvp
+    Q, alpha, beta, r, nu = on_mesh(
+        lambda operator, x0: rule(operator, x0, d, reorth),
+        operator,
+        x0,
+        ("rows", "small", "small", "vector", "small"),
+    )
     return Lanczos(basis=Q.T, diagonal=alpha, off_diagonal=beta, residual=r, norm=nu)
 
 

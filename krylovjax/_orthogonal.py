@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
@@ -86,15 +87,6 @@ def check_problem(
         raise ValueError(msg)
     check_output_size(d, [x0], fn_name)
     operator, x0 = as_operator(A, x0, fn_name)
-    for name, arrays in (("A", operator), (vector, x0)):
-        if _on_explicit_mesh(arrays):
-            msg = (
-                f"`{fn_name}({name}=...)` is sharded on a mesh with "
-                "`AxisType.Explicit`, which the orthogonal decompositions do not "
-                "support yet; use a mesh with `AxisType.Auto` (or `krylov`, which "
-                "supports both)."
-            )
-            raise ValueError(msg)
     n = x0.shape[0]
     if d > n:
         msg = (
@@ -113,6 +105,43 @@ def _on_explicit_mesh(tree: Any) -> bool:
         for x in jtu.tree_leaves(tree)
         if eqx.is_array(x)
     )
+
+
+# What each output of a decomposition is, for its sharding on an Explicit mesh.
+OutputKind = Literal["rows", "vector", "small"]
+
+
+def on_mesh(
+    fn: Callable[[AbstractOperator, Array], tuple[Array, ...]],
+    operator: AbstractOperator,
+    x0: Array,
+    kinds: tuple[OutputKind, ...],
+) -> tuple[Array, ...]:
+    """`fn(operator, x0)`; on a mesh with `Explicit` axes, run with them `Auto`.
+
+    On an `Explicit` mesh every product and projection of the scans would have to
+    state the sharding of its result (the Gram-Schmidt products contract over the
+    sharded axis). `jax.sharding.auto_axes` runs `fn` as on an `Auto` mesh, where
+    XLA places the intermediates and inserts the collectives, and types the
+    outputs, named by `kinds`: the basis as rows `(d, n)` (`"rows"`) and vectors
+    of length $n$ (`"vector"`) sharded like `x0`, the small outputs replicated."""
+    meshes = [
+        jax.typeof(x).sharding.mesh
+        for x in jtu.tree_leaves((operator, x0))
+        if eqx.is_array(x) and _on_explicit_mesh(x)
+    ]
+    if not meshes:
+        return fn(operator, x0)
+    spec = jax.typeof(x0).sharding.spec
+    axis = spec[0] if len(spec) else None
+    specs = {"rows": P(None, axis), "vector": P(axis), "small": P()}
+    out_sharding = tuple(specs[kind] for kind in kinds)
+    run: Any = jax.sharding.auto_axes(fn, out_sharding=out_sharding)
+    if not jax.sharding.get_abstract_mesh().empty:
+        return run(operator, x0)
+    # Arrays on an explicit mesh, called outside `jax.set_mesh`: their mesh.
+    with jax.sharding.use_abstract_mesh(meshes[0].abstract_mesh):
+        return run(operator, x0)
 
 
 # ------------------------------------------------------------- small pieces

@@ -687,6 +687,15 @@ def test_row_sharded_matrix_on_both_mesh_kinds():
     # Four forced host devices in a subprocess; see
     # `_decomposition_sharding_script.py`.
     record = run_on_four_devices("_decomposition_sharding_script.py")
-    assert max(record["Auto"]["errors"]) < 1e-12, record
-    assert "Explicit" in record["Explicit"]["error"], record
-    assert "(A=...)" in record["Explicit"]["error"], record
+    assert len(record) == 9, record
+    assert max(record["Explicit, outside set_mesh"]) < 1e-12, record
+    for kind in ("Auto", "Explicit"):
+        for layout, spec in (
+            ("sharded", "P('x', None)"),
+            ("replicated", "P(None, None)"),
+        ):
+            errors = record[f"{kind}, x0 {layout}"]
+            assert len(errors) == 9, record
+            assert max(errors) < 1e-12, record
+            if kind == "Explicit":
+                assert record[f"{kind}, x0 {layout}, basis"] == spec, record
