@@ -15,6 +15,12 @@ and `matfree.funm.funm_lanczos_sym` / `funm_arnoldi`. Times are medians of
 interleaved rounds in one run (ratios are what to read on a shared machine);
 memory is XLA's compiled temporary memory, which is deterministic.
 
+Each row also says whether forward mode and complex numbers work for the same
+configuration (`capabilities`, on a small problem of the row's matrix kind):
+forward mode if `jax.jvp` runs and agrees with JAX's autodiff of krylovjax's loop,
+complex numbers if `jax.grad` with complex128 arrays runs and agrees with a central
+difference of the implementation's own loss.
+
 Run `pip install -e ".[bench,bench-matfree]"` then
 `python benchmarks/bench_decompositions.py` (a few minutes on 2 cores; `--quick`
 for a smoke run). It prints a Markdown table and writes it with the raw numbers to
@@ -22,6 +28,7 @@ for a smoke run). It prints a Markdown table and writes it with the raw numbers 
 """
 
 import argparse
+import functools
 import json
 import pathlib
 import statistics
@@ -39,25 +46,27 @@ from bench_krylov import compile_fn, memory, time_interleaved  # noqa: E402
 import krylovjax  # noqa: E402
 
 
-def dense_problem(n):
+def dense_problem(n, dtype=jnp.float32):
     key_a, key_x = jax.random.split(jax.random.key(0))
-    G = jax.random.normal(key_a, (n, n), jnp.float32)
-    A = (G + G.T) / (2 * n) ** 0.5 / 2  # symmetric, spectrum in about [-1, 1]
-    x0 = jax.random.normal(key_x, (n,), jnp.float32)
+    G = jax.random.normal(key_a, (n, n), dtype)
+    A = (G + G.conj().T) / (2 * n) ** 0.5 / 2  # Hermitian, spectrum in about [-1, 1]
+    x0 = jax.random.normal(key_x, (n,), dtype)
     return A, x0, lambda p: p, lambda v, p: p @ v
 
 
-def sparse_problem(n, per_row=10):
+def sparse_problem(n, per_row=10, dtype=jnp.float32):
     key_i, key_v, key_x = jax.random.split(jax.random.key(1), 3)
     rows = jnp.repeat(jnp.arange(n), per_row // 2)
     cols = jax.random.randint(key_i, rows.shape, 0, n)
-    values = jax.random.normal(key_v, rows.shape, jnp.float32) / per_row**0.5 / 2
-    # Symmetric: each entry and its mirror image, sorted by rows.
+    values = jax.random.normal(key_v, rows.shape, dtype) / per_row**0.5 / 2
+    # Hermitian (symmetric when real): each entry and its mirror image, conjugated,
+    # sorted by rows. An entry on the diagonal is added to its own mirror image, so
+    # its value is real.
     indices = jnp.concatenate([jnp.stack([rows, cols], 1), jnp.stack([cols, rows], 1)])
-    values = jnp.concatenate([values, values])
+    values = jnp.concatenate([values, jnp.conj(values)])
     order = jnp.lexsort((indices[:, 1], indices[:, 0]))
     indices, values = indices[order], values[order]
-    x0 = jax.random.normal(key_x, (n,), jnp.float32)
+    x0 = jax.random.normal(key_x, (n,), dtype)
 
     def bcoo(p):
         return sparse.BCOO((p, indices), shape=(n, n), indices_sorted=True)
@@ -76,24 +85,32 @@ def decomposition_losses(kind, d, reortho, problem):
     if kind == "arnoldi":
         matfree_decomp = decomp.hessenberg(d, reortho=reortho)
 
-        def ours(p, x0):
-            out = krylovjax.arnoldi(build(p), x0, d, reorthogonalize=reorthogonalize)
-            return jnp.sum(out.basis * W) + jnp.sum(out.hessenberg * V)
+        def ours(p, x0, adjoint="custom_jvp"):
+            out = krylovjax.arnoldi(
+                build(p), x0, d, reorthogonalize=reorthogonalize, adjoint=adjoint
+            )
+            return jnp.real(jnp.sum(out.basis * W) + jnp.sum(out.hessenberg * V))
 
     else:
         matfree_decomp = decomp.tridiag_sym(d, reortho=reortho)
 
-        def ours(p, x0):
-            out = krylovjax.lanczos(build(p), x0, d, reorthogonalize=reorthogonalize)
-            return jnp.sum(out.basis * W) + jnp.sum(out.matrix() * V)
+        def ours(p, x0, adjoint="custom_jvp"):
+            out = krylovjax.lanczos(
+                build(p), x0, d, reorthogonalize=reorthogonalize, adjoint=adjoint
+            )
+            return jnp.real(jnp.sum(out.basis * W) + jnp.sum(out.matrix() * V))
 
     def theirs(p, x0):
         out = matfree_decomp(matvec, x0, p)
         # matfree stores the basis as (d, n) ("Q_tall" of the flattened vectors).
         Q = out.Q_tall if out.Q_tall.shape == (n, d) else out.Q_tall.T
-        return jnp.sum(Q * W) + jnp.sum(out.J_small * V)
+        return jnp.real(jnp.sum(Q * W) + jnp.sum(out.J_small * V))
 
-    return {"krylovjax": ours, "matfree": theirs}
+    return {
+        "krylovjax": ours,
+        "matfree": theirs,
+        "reference": functools.partial(ours, adjoint="autodiff"),
+    }
 
 
 def funm_losses(kind, d, reortho, problem):
@@ -105,7 +122,7 @@ def funm_losses(kind, d, reortho, problem):
             funm.dense_funm_pade_exp(), decomp.hessenberg(d, reortho=reortho)
         )
 
-        def ours(p, b):
+        def ours(p, b, adjoint="custom_jvp"):
             fb = krylovjax.funm_action(
                 jax.scipy.linalg.expm,
                 build(p),
@@ -113,15 +130,16 @@ def funm_losses(kind, d, reortho, problem):
                 d,
                 method="arnoldi",
                 reorthogonalize=reorthogonalize,
+                adjoint=adjoint,
             )
-            return jnp.sum(fb * w)
+            return jnp.real(jnp.sum(fb * w))
 
     else:
         matfree_funm = funm.funm_lanczos_sym(
             funm.dense_funm_sym_eigh(jnp.exp), decomp.tridiag_sym(d, reortho=reortho)
         )
 
-        def ours(p, b):
+        def ours(p, b, adjoint="custom_jvp"):
             fb = krylovjax.funm_action(
                 jnp.exp,
                 build(p),
@@ -129,18 +147,99 @@ def funm_losses(kind, d, reortho, problem):
                 d,
                 method="lanczos",
                 reorthogonalize=reorthogonalize,
+                adjoint=adjoint,
             )
-            return jnp.sum(fb * w)
+            return jnp.real(jnp.sum(fb * w))
 
     def theirs(p, b):
-        return jnp.sum(matfree_funm(matvec, b, p) * w)
+        return jnp.real(jnp.sum(matfree_funm(matvec, b, p) * w))
 
-    return {"krylovjax": ours, "matfree": theirs}
+    return {
+        "krylovjax": ours,
+        "matfree": theirs,
+        "reference": functools.partial(ours, adjoint="autodiff"),
+    }
+
+
+def _forward(primals, f):
+    tangents = tuple(
+        jnp.sin(jnp.arange(x.size)).reshape(x.shape).astype(x.dtype) for x in primals
+    )
+    return jax.jit(lambda *p: jax.jvp(f, p, tangents)[1])(*primals)
+
+
+def _relative_error(got, want):
+    return max(
+        float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+
+
+# The sizes at which forward mode and complex numbers are checked (the timed sizes
+# would only add minutes): the same matrix kind, method and re-orthogonalisation.
+PROBE_SIZES = {"dense": (40, 8), "BCOO": (400, 8)}
+
+
+def capabilities(matrix, kind, reortho, make):
+    """Whether forward mode and complex numbers work for each implementation, on a
+    small problem of the row's kind:
+
+    - forward mode: `jax.jvp` (float32) runs and agrees to 1e-3 with JAX's own
+      autodiff of krylovjax's loop (`adjoint="autodiff"`);
+    - complex: `jax.grad` with complex128 arrays (a Hermitian matrix) runs and
+      agrees to 1e-5 with a central difference of the implementation's own loss
+      along a random complex direction of the matrix and the starting vector.
+    """
+    n, d = PROBE_SIZES[matrix]
+    found = {}
+    problem = dense_problem(n) if matrix == "dense" else sparse_problem(n)
+    primals = problem[:2]
+    losses = make(kind, d, reortho, problem)
+    want = _forward(primals, losses["reference"])
+    for name in ("krylovjax", "matfree"):
+        try:
+            got = _forward(primals, losses[name])
+        except Exception as error:  # noqa: BLE001 (any failure means "no")
+            found[name, "forward"] = f"no ({type(error).__name__})"
+            continue
+        err = _relative_error(got, want)
+        found[name, "forward"] = "yes" if err < 1e-3 else f"no (error {err:.0e})"
+    with jax.enable_x64(True):
+        dtype = jnp.complex128
+        problem = (
+            dense_problem(n, dtype)
+            if matrix == "dense"
+            else sparse_problem(n, dtype=dtype)
+        )
+        p, x = problem[:2]
+        losses = make(kind, d, reortho, problem)
+        key_v, key_u = jax.random.split(jax.random.key(4))
+        v = jax.random.normal(key_v, p.shape, dtype)
+        u = jax.random.normal(key_u, x.shape, dtype)
+        eps = 1e-6
+        for name in ("krylovjax", "matfree"):
+            loss = jax.jit(losses[name])
+            try:
+                g_p, g_x = jax.jit(jax.grad(losses[name], (0, 1)))(p, x)
+            except Exception as error:  # noqa: BLE001 (any failure means "no")
+                found[name, "complex"] = f"no ({type(error).__name__})"
+                continue
+            # JAX's gradient of a real loss in a complex argument is the conjugate
+            # of the steepest-ascent direction: dL = Re(sum(direction * grad)).
+            slope = jnp.real(jnp.sum(v * g_p) + jnp.sum(u * g_x))
+            difference = (
+                loss(p + eps * v, x + eps * u) - loss(p - eps * v, x - eps * u)
+            ) / (2 * eps)
+            err = float(jnp.abs(slope - difference) / jnp.abs(difference))
+            found[name, "complex"] = "yes" if err < 1e-5 else f"no (error {err:.0e})"
+    return found
 
 
 def measure(task, losses, args, config):
     entries = []
     for name, loss in losses.items():
+        if name == "reference":
+            continue
         fn = jax.grad(loss, (0, 1)) if task == "grad" else jax.value_and_grad(loss)
         compiled, compile_s = compile_fn(fn, args)
         entries.append(
@@ -172,13 +271,14 @@ def main():
         sizes = [("dense", 2000, 100), ("BCOO", 100_000, 50)]
     header = (
         "| matrix | n | d | method | reortho | task | krylovjax / matfree time "
-        "| krylovjax temp | matfree temp |"
+        "| krylovjax temp | matfree temp | forward mode: krylovjax / matfree "
+        "| complex: krylovjax / matfree |"
     )
     lines = [
         f"jax {jax.__version__}, {jax.devices()[0].platform}, float32",
         "",
         header,
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     records = []
@@ -195,10 +295,18 @@ def main():
                     result = measure(task, losses, (params, x0), config)
                     ours, theirs = result["krylovjax"], result["matfree"]
                     ratio = ours["time_s"] / theirs["time_s"]
+                    can = capabilities(matrix, kind, reortho, make)
+                    forward = (
+                        f"{can['krylovjax', 'forward']} / {can['matfree', 'forward']}"
+                    )
+                    cplx = (
+                        f"{can['krylovjax', 'complex']} / {can['matfree', 'complex']}"
+                    )
                     line = (
                         f"| {matrix} | {n} | {d} | {kind} | {reortho} | {task} "
                         f"| {ratio:.2f} | {ours['temp_bytes'] / 2**20:.1f} MiB "
-                        f"| {theirs['temp_bytes'] / 2**20:.1f} MiB |"
+                        f"| {theirs['temp_bytes'] / 2**20:.1f} MiB "
+                        f"| {forward} | {cplx} |"
                     )
                     print(line, flush=True)
                     lines.append(line)
@@ -210,6 +318,7 @@ def main():
                             "method": kind,
                             "reortho": reortho,
                             "task": task,
+                            **{f"{m}_{w}": v for (m, w), v in can.items()},
                             **{
                                 f"{k}_{m}": v
                                 for k, r in result.items()
