@@ -156,7 +156,15 @@ def test_derivatives_match_autodiff(kind, dtype, reorth):
 
 @pytest.mark.parametrize(
     "kind,dtype,reorth,order",
-    [("closure", jnp.float64, True, 2), ("dense", jnp.complex128, False, 1)],
+    [
+        # Every operator kind in both dtypes, second order once.
+        ("closure", jnp.float64, True, 2),
+        ("closure", jnp.complex128, False, 1),
+        ("dense", jnp.float64, True, 1),
+        ("dense", jnp.complex128, False, 1),
+        ("bcoo", jnp.float64, False, 1),
+        ("bcoo", jnp.complex128, True, 1),
+    ],
 )
 def test_finite_differences(kind, dtype, reorth, order):
     params, build, _, x0 = decomposition_problem(kind, dtype, n=4)

@@ -180,7 +180,15 @@ def test_derivatives_match_autodiff(kind, dtype, reorth):
 
 @pytest.mark.parametrize(
     "kind,dtype,reorth",
-    [("dense", jnp.float64, False), ("closure", jnp.complex128, True)],
+    [
+        # Every operator kind in both dtypes.
+        ("dense", jnp.float64, False),
+        ("dense", jnp.complex128, True),
+        ("closure", jnp.float64, False),
+        ("closure", jnp.complex128, True),
+        ("bcoo", jnp.float64, True),
+        ("bcoo", jnp.complex128, False),
+    ],
 )
 def test_finite_differences(kind, dtype, reorth):
     # Second order is checked for `arnoldi`, through the same primitive.
