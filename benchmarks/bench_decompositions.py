@@ -235,6 +235,22 @@ def capabilities(matrix, kind, reortho, make):
     return found
 
 
+def compile_times(n=1000, depths=(10, 1000)):
+    """Seconds to compile `jax.grad` of each decomposition's loss (dense, `n`), at
+    each depth in `depths`: flat in d, since every loop is a `lax.scan`."""
+    problem = dense_problem(n)
+    params, x0 = problem[0], problem[1]
+    rows = []
+    for kind in ("arnoldi", "lanczos"):
+        for reortho in ("full", "none"):
+            seconds = []
+            for d in depths:
+                loss = decomposition_losses(kind, d, reortho, problem)["krylovjax"]
+                seconds.append(compile_fn(jax.grad(loss, (0, 1)), (params, x0))[1])
+            rows.append((kind, reortho, seconds))
+    return rows
+
+
 def measure(task, losses, args, config):
     entries = []
     for name, loss in losses.items():
@@ -260,6 +276,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few runs")
     parser.add_argument(
+        "--compile-only", action="store_true", help="only the compile times against d"
+    )
+    parser.add_argument(
         "--out", type=pathlib.Path, default=Path(__file__).parent / "out" / "decomp"
     )
     args = parser.parse_args()
@@ -280,8 +299,27 @@ def main():
         header,
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    print("\n".join(lines), flush=True)
     records = []
+    depths = (10, 100) if args.quick else (10, 1000)
+    compile_lines = [
+        "",
+        f"Compile time of `jax.grad` (dense, n = 1000, float32) at d = {depths[0]} "
+        f"and d = {depths[1]}:",
+        "",
+        f"| method | reortho | d = {depths[0]} s | d = {depths[1]} s | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, reortho, (first, last) in compile_times(depths=depths):
+        compile_lines.append(
+            f"| {kind} | {reortho} | {first:.2f} | {last:.2f} | {last / first:.2f} |"
+        )
+        records.append(
+            {"compile": kind, "reortho": reortho, "depths": depths, "s": [first, last]}
+        )
+    if args.compile_only:
+        print("\n".join(compile_lines))
+        return
+    print("\n".join(lines), flush=True)
     for matrix, n, d in sizes:
         problem = dense_problem(n) if matrix == "dense" else sparse_problem(n)
         params, x0 = problem[0], problem[1]
@@ -326,6 +364,8 @@ def main():
                             },
                         }
                     )
+    print("\n".join(compile_lines))
+    lines += compile_lines
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     (args.out / "results.json").write_text(json.dumps(records, indent=2))
