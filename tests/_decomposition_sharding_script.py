@@ -63,7 +63,10 @@ def main() -> None:
                 )
                 got = jax.jit(outputs)(*args)
             # The basis comes back sharded by rows like x0 (or replicated).
-            record[f"{kind.name}, x0 {layout}, basis"] = str(got[0].sharding.spec)
+            spec = tuple(got[0].sharding.spec)
+            record[f"{kind.name}, x0 {layout}, basis"] = list(
+                spec + (None,) * (2 - len(spec))
+            )
             record[f"{kind.name}, x0 {layout}"] = [
                 float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
                 for g, w in zip(

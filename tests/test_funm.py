@@ -691,8 +691,8 @@ def test_row_sharded_matrix_on_both_mesh_kinds():
     assert max(record["Explicit, outside set_mesh"]) < 1e-12, record
     for kind in ("Auto", "Explicit"):
         for layout, spec in (
-            ("sharded", "P('x', None)"),
-            ("replicated", "P(None, None)"),
+            ("sharded", ["x", None]),
+            ("replicated", [None, None]),
         ):
             errors = record[f"{kind}, x0 {layout}"]
             assert len(errors) == 9, record
