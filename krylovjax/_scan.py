@@ -112,9 +112,9 @@ def _zero_after(y: Array, dtype) -> Array:
     barriers before scheduling."""
     sharding = jax.typeof(y).sharding
     explicit = jax.sharding.AxisType.Explicit in sharding.mesh.axis_types
-    if explicit and any(p is not None for p in sharding.spec):
-        # One entry of an array sharded on an explicit mesh cannot be sliced out
-        # (and would cost a collective): no tie there.
+    if y.size == 0 or (explicit and any(p is not None for p in sharding.spec)):
+        # Nothing to read; or one entry of an array sharded on an explicit mesh,
+        # which cannot be sliced out (and would cost a collective): no tie.
         return jnp.zeros((), dtype)
     probe = y.reshape(-1)[0]
     return (jnp.where(jnp.isfinite(probe), probe, 0) * 0).astype(dtype)
@@ -142,7 +142,7 @@ def adjoint_chunks(
     $\sum_{i \ge 1} \lambda_i x_{i-1}^\top$ as a cotangent of the operator (else
     `None`).
     """
-    steps = tail.shape[0]
+    steps = g_tail.shape[0]
     # Called once, outside the loops: a callable is linearised once.
     transpose = operator.transpose()
 
@@ -279,19 +279,20 @@ def _krylov_custom_vjp(operator: AbstractOperator, x0: Array, d: int) -> Array:
 def tangent_chunks(
     operator: AbstractOperator,
     x0: Array,
-    tail: Array,
+    stored: Array,
     t_operator: AbstractOperator | None,
     t_x0: Array,
     chunk: int | None = None,
 ) -> Array:
     r"""The tangents $\dot x_{k+1} = A \dot x_k + \dot A x_k$ of the tail.
 
-    Returns $[\dot x_1, \dots, \dot x_{d-1}]$, stacked like `tail`. Runs `chunk`
+    `stored` is $[x_1, \dots, x_{d-2}]$: the tail without its last vector, which
+    no tangent reads. Returns $[\dot x_1, \dots, \dot x_{d-1}]$. Runs `chunk`
     steps at a time, each chunk's $\dot A x_k$ as one batched product
     (`operator.mm` differentiated in the direction `t_operator`); `t_operator`
     `None` means $\dot A = 0$.
     """
-    steps = tail.shape[0]
+    steps = stored.shape[0] + 1
 
     def forward(t, xs):
         if t_operator is None:
@@ -306,19 +307,19 @@ def tangent_chunks(
 
         return lax.scan(step, t, r, length=xs.shape[0])
 
-    # Step 0 uses x0; steps 1 .. steps - 1 use the tail one row up.
+    # Step 0 uses x0; steps 1 .. steps - 1 use the stored vectors one row up.
     t, first = forward(t_x0, x0[None])
     parts = [first]
     size, full, rest = _chunks(steps, chunk or _chunk_steps(x0))
     if full:
 
         def chunk_step(t, c):
-            return forward(t, lax.dynamic_slice_in_dim(tail, c * size, size))
+            return forward(t, lax.dynamic_slice_in_dim(stored, c * size, size))
 
         t, ts = lax.scan(chunk_step, t, jnp.arange(full))
         parts.append(ts.reshape(full * size, *ts.shape[2:]))
     if rest:
-        _, ts = forward(t, tail[full * size : full * size + rest])
+        _, ts = forward(t, stored[full * size : full * size + rest])
         parts.append(ts)
     return jnp.concatenate(parts)
 
@@ -367,9 +368,15 @@ def _tangent_batch(bind, args, axes):
     return out, 1
 
 
-# Arguments: (operator, x0, tail, t_operator, t_x0); the tangents are like `tail`.
+# Arguments: (operator, x0, stored, t_operator, t_x0); the tangents are like `stored`
+# with one more row (the last vector, which no tangent or adjoint reads).
 krylov_tangent = tangent_primitive(
-    "krylov_tangent", tangent_chunks, _tangent_transpose, like=2, batch=_tangent_batch
+    "krylov_tangent",
+    tangent_chunks,
+    _tangent_transpose,
+    like=2,
+    batch=_tangent_batch,
+    extra_rows=1,
 )
 
 
@@ -382,11 +389,16 @@ def _krylov_custom_jvp(operator: AbstractOperator, x0: Array, *, d: int) -> Arra
 def _krylov_jvp(primals, tangents, *, d):
     operator, x0 = primals
     t_operator, t_x0 = tangents
-    tail = krylov_tail(operator, x0, d - 1)
+    # The derivative rules read x_1 .. x_(d-2) only: the last vector is computed
+    # outside the stored stack, so that reverse mode does not keep it.
+    stored = krylov_tail(operator, x0, d - 2)
+    before_last = x0 if d == 2 else stored[-1]
+    last = typed_like(operator.mv(before_last), before_last)
+    tail = jnp.concatenate([stored, last[None]])
     t_x0 = jnp.zeros_like(x0) if t_x0 is None else t_x0
     if t_operator is not None and not jtu.tree_leaves(t_operator):
         t_operator = None
-    t_tail = krylov_tangent(operator, x0, tail, t_operator, t_x0)
+    t_tail = krylov_tangent(operator, x0, stored, t_operator, t_x0)
     return with_first(x0, tail), with_first(t_x0, t_tail)
 
 

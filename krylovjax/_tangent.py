@@ -141,11 +141,14 @@ def tangent_primitive(
     transpose: Callable,
     like: int,
     batch: Callable | None = None,
+    extra_rows: int = 0,
 ) -> Callable[..., Any]:
     """A tangent primitive, returned as a function of pytrees that binds it.
 
     Its output has the structure, shapes, dtypes and shardings of argument number
-    `like` (the stored trajectory whose tangents it computes). Under `vmap`,
+    `like` (the stored trajectory whose tangents it computes), with `extra_rows`
+    more entries along the first axis of each leaf (a trajectory whose last
+    vector is not stored). Under `vmap`,
     `batch(bind, args, batch_axes)` may return `(out, out_axis)` from a call of the
     primitive itself on batched arguments; where it returns `None` (or is not
     given), a second primitive is bound, whose implementation and transpose are
@@ -156,10 +159,13 @@ def tangent_primitive(
     def impl_flat(*args):
         return (impl(*args),)
 
+    def grown(shape):
+        return (shape[0] + extra_rows, *shape[1:]) if extra_rows else tuple(shape)
+
     def abstract_eval(*args):
         return (
             jtu.tree_map(
-                lambda s: ShapedArray(s.shape, s.dtype, sharding=s.sharding),
+                lambda s: ShapedArray(grown(s.shape), s.dtype, sharding=s.sharding),
                 args[like],
             ),
         )
@@ -185,8 +191,8 @@ def tangent_primitive(
 
         def batched(axis, s):
             shape = list(s.shape)
-            shape.insert(0, size if axis is None else shape.pop(axis))
-            return ShapedArray(tuple(shape), s.dtype)
+            batch = size if axis is None else shape.pop(axis)
+            return ShapedArray((batch, *grown(shape)), s.dtype)
 
         return (
             jtu.tree_map(batched, axes[like], args[like], is_leaf=lambda a: a is None),
