@@ -134,7 +134,9 @@ def adjoint_chunks(
 ) -> tuple[Array, AbstractOperator | None]:
     r"""The reverse pass over the computed vectors $x_1, \dots, x_{d-1}$.
 
-    `tail` is the stack $[x_1, \dots, x_{d-1}]$ and `g_tail` its cotangent.
+    `g_tail` is the cotangent of the stack $[x_1, \dots, x_{d-1}]$, and `tail`
+    holds at least $x_1, \dots, x_{d-2}$ (the last vector is never read: the
+    tangent primitive stores only those).
     Solves $\lambda_i = g_i + A^\top \lambda_{i+1}$ from $i = d - 1$ down to $1$,
     `chunk` steps at a time (see the module docstring). Returns $A^\top \lambda_1$,
     the gradient of $x_0$ through the steps (JAX adds $g_0$, since $x_0$ is put in
