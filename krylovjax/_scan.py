@@ -10,9 +10,10 @@ $$\lambda_{d-1} = g_{d-1}, \qquad \lambda_i = g_i + A^\top \lambda_{i+1},$$
 
 and then the gradient of $x_0$ is $\lambda_0$ and the gradient of $A$ is
 $\sum_{i=1}^{d-1} \lambda_i x_{i-1}^\top$. `adjoint_chunks` solves the recurrence
-backwards by one reverse `lax.scan` over chunks of `CHUNK` steps: each chunk's
-slice of the cotangent is copied once and its adjoint vectors overwrite it, row by
-row, so one buffer of `CHUNK` rows holds both; the chunk's share of the
+backwards by one reverse `lax.scan` over chunks of $k$ steps (the operator
+chooses $k$: `AbstractOperator.gradient_chunk`): each chunk's slice of the
+cotangent is copied once and its adjoint vectors overwrite it, row by row, so one
+buffer of $k$ rows holds both; the chunk's share of the
 operator's gradient is one batched product with the matching stored vectors (a
 GEMM for a dense matrix, one sampled product for BCOO, one batched VJP for a
 callable; see `_operator.py`), added to a running sum. The cotangent and the
@@ -54,6 +55,7 @@ from jax import lax
 from jaxtyping import Array
 
 from ._operator import (
+    CHUNK,
     AbstractOperator,
     BatchedOperator,
     DenseOperator,
@@ -63,17 +65,18 @@ from ._operator import (
 from ._sequence import trajectory, with_first
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
-# How many adjoint (or tangent) vectors a derivative pass keeps at once: `CHUNK`,
-# but no more than `CHUNK_ELEMENTS` numbers, so that a chunk of very wide vectors
-# (the node features of a large graph) holds few of them.
-CHUNK = 64
+# How many adjoint (or tangent) vectors a derivative pass keeps at once: `most`
+# (`CHUNK` for the tangents; the reverse pass asks the operator, see
+# `AbstractOperator.gradient_chunk`), but no more than `CHUNK_ELEMENTS` numbers, so
+# that a chunk of very wide vectors (the node features of a large graph) holds few
+# of them.
 CHUNK_ELEMENTS = 2**22
 # Up to this many steps, the reverse pass runs its chunks without a loop.
 UNROLLED_STEPS = 16
 
 
-def _chunk_steps(x0: Array) -> int:
-    return max(1, min(CHUNK, CHUNK_ELEMENTS // max(1, x0.size)))
+def _chunk_steps(x0: Array, most: int = CHUNK) -> int:
+    return max(1, min(most, CHUNK_ELEMENTS // max(1, x0.size)))
 
 
 def krylov_scan(operator: AbstractOperator, x0: Array, d: int) -> Array:
@@ -104,6 +107,27 @@ def _chunks(steps: int, chunk: int) -> tuple[int, int, int]:
         size = divisors[-1]
     full, rest = divmod(rows, size)
     return size, full, rest
+
+
+def _windows(steps: int, chunk: int) -> tuple[int, int, int]:
+    """Cover the rows 1 .. steps - 1 with `count` windows of `size` rows, from the
+    top down.
+
+    `size` is a divisor of the row count between `3 chunk / 4` and `chunk` where
+    there is one; else the windows are as few as chunks of `chunk` rows need and as
+    even as possible, and the lowest, which starts at row 1, shares its top
+    `overlap` rows (fewer than `count`) with the window above, which has done them.
+    A few skipped steps cost less than a separate pass for the rest, whose chunk
+    buffers XLA would keep beside the loop's.
+    """
+    rows = steps - 1
+    divisors = [s for s in range(-(-3 * chunk // 4), chunk + 1) if rows % s == 0]
+    if rows <= chunk or divisors:
+        size = min(rows, chunk) if rows <= chunk else divisors[-1]
+        return size, rows // size, 0
+    count = -(-rows // chunk)
+    size = -(-rows // count)
+    return size, count, count * size - rows
 
 
 def _zero_after(y: Array, dtype) -> Array:
@@ -167,11 +191,13 @@ def adjoint_chunks(
     def first(g_i):
         return g_i + _zero_after(tail, g_i.dtype) if want_operator else g_i
 
-    def reverse(lam_next, g_rows):
+    def reverse(lam_next, g_rows, valid=None):
         # The adjoint vectors of the rows of `g_rows`, last first. When the
         # operator's gradient needs them, each overwrites its own row of cotangent
         # in `g_rows` (a fresh chunk-sized copy, updated in place): the chunk's
-        # cotangents and adjoints share one buffer.
+        # cotangents and adjoints share one buffer. Rows from `valid` (a traced row
+        # count; `None`: all rows) on belong to the window above: the adjoint passes
+        # through them unchanged, and their rows of the buffer become zeros.
         if g_rows.shape[0] == 1:
             # One step (vectors so wide that a chunk holds one): no loop, whose
             # carry and stacked output would be two copies of the same vector.
@@ -181,55 +207,75 @@ def adjoint_chunks(
             return lam_i, lam_i[None] if want_operator else None
         if lam_next is None:
             lam_next = jnp.zeros_like(x0)
-        if not want_operator:
-            return lax.scan(
-                lambda lam, g_i: (step(lam, g_i), None), lam_next, g_rows, reverse=True
-            )
         last = g_rows.shape[0] - 1
+
+        def masked_step(lam_next, g_i, row):
+            lam_i = step(lam_next, g_i)
+            if valid is None:
+                return lam_i, lam_i
+            keep = row < valid
+            lam_i = jnp.where(keep, lam_i, lam_next)
+            return lam_i, jnp.where(keep, lam_i, jnp.zeros_like(lam_i))
+
+        if not want_operator:
+
+            def scan_step(lam, row):
+                g_i = lax.dynamic_index_in_dim(g_rows, row, 0, False)
+                return masked_step(lam, g_i, row)[0], None
+
+            return lax.scan(scan_step, lam_next, jnp.arange(last + 1), reverse=True)
 
         def overwrite(j, carry):
             lam_next, buffer = carry
-            lam_i = step(lam_next, lax.dynamic_index_in_dim(buffer, last - j, 0, False))
-            return lam_i, lax.dynamic_update_index_in_dim(buffer, lam_i, last - j, 0)
+            row = last - j
+            g_i = lax.dynamic_index_in_dim(buffer, row, 0, False)
+            lam_i, out = masked_step(lam_next, g_i, row)
+            return lam_i, lax.dynamic_update_index_in_dim(buffer, out, row, 0)
 
         return lax.fori_loop(0, last + 1, overwrite, (lam_next, g_rows))
 
-    def pairs(start, size, lam_next, acc):
+    def pairs(start, size, lam_next, acc, valid=None):
         # Rows start .. start + size - 1 of the tail: their adjoint vectors, and
         # the gradient of sum_i <lam_i, A x_(i-1)> over them as one batched
         # product, added to `acc`.
         # A slice of the cotangent, not an index into it inside the loop: XLA then
         # never materialises a broadcast cotangent (the cotangent of `X.sum()`).
         g_rows = lax.dynamic_slice_in_dim(g_tail, start, size)
-        lam_next, lams = reverse(lam_next, g_rows)
+        lam_next, lams = reverse(lam_next, g_rows, valid)
         if want_operator:
             assert acc is not None and lams is not None
             acc = operator.add_param_vjp(acc, tail, start - 1, lams)
         return lam_next, acc
 
-    # Rows 1 .. steps - 1 pair with the stored vector one row up: `full` chunks
-    # of `size` rows and `rest` rows at the end, which go first.
-    size, full, rest = _chunks(steps, chunk or _chunk_steps(x0))
+    most = chunk or _chunk_steps(x0, operator.gradient_chunk(x0.size))
     # `None` until the first row is done: lambda_(d-1) = g_(d-1).
     lam_next = None
     grad = _inexact_zeros(operator) if want_operator else None
-    if rest:
-        lam_next, grad = pairs(steps - rest, rest, lam_next, grad)
+    size, full, rest = _chunks(steps, most)
     if full * size <= UNROLLED_STEPS:
         # A few steps of wide vectors (a graph filter): chunks in Python, whose
         # static slices of the cotangent XLA fuses with a broadcast cotangent; a
-        # loop would take the whole cotangent, materialised, as its operand.
+        # loop would take the whole cotangent, materialised, as its operand. Rows
+        # 1 .. steps - 1 pair with the stored vector one row up: `full` chunks of
+        # `size` rows and `rest` rows at the end, which go first.
+        if rest:
+            lam_next, grad = pairs(steps - rest, rest, lam_next, grad)
         for c in reversed(range(full)):
             lam_next, grad = pairs(1 + c * size, size, lam_next, grad)
     else:
+        # One loop over windows of `size` rows from the top down; the lowest may
+        # share rows with the one above (see `_windows`).
+        size, count, overlap = _windows(steps, most)
 
         def chunk_step(carry, c):
-            return pairs(1 + c * size, size, *carry), None
+            top = steps - (count - c) * size
+            start = jnp.maximum(1, top)
+            valid = size - (start - top) if overlap else None
+            return pairs(start, size, *carry, valid=valid), None
 
-        if lam_next is None:
-            lam_next = jnp.zeros_like(x0)
+        lam_next = jnp.zeros_like(x0)
         (lam_next, grad), _ = lax.scan(
-            chunk_step, (lam_next, grad), jnp.arange(full), reverse=True
+            chunk_step, (lam_next, grad), jnp.arange(count), reverse=True
         )
     # Row 0, lam_1, pairs with x0, which is not in the tail.
     g_1 = g_tail[0]
