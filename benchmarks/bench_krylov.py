@@ -46,6 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
+from jax.experimental import sparse as jsparse  # noqa: E402
 
 import krylovjax  # noqa: E402
 
@@ -69,7 +70,17 @@ FULL = {
     "min_repeats": 5,
     "max_repeats": 200,
     "block_sizes": [(64, 1024, 8), (256, 1024, 8)],
-    "loss_sizes": [(512, 200, None), (32, 5000, None), (256, 1024, 8)],
+    # (n, d, b, kind of A): dense at the three sizes of the time target, a dense size
+    # whose gradient adds one step at a time, BCOO and a callable (a closure over a
+    # dense matrix).
+    "loss_sizes": [
+        (512, 200, None, "dense"),
+        (32, 5000, None, "dense"),
+        (256, 1024, 8, "dense"),
+        (128, 400, None, "dense"),
+        (512, 200, None, "bcoo"),
+        (512, 200, None, "callable"),
+    ],
     "doubling_sizes": [(16, 4096), (64, 4096)],
 }
 QUICK = {
@@ -83,7 +94,11 @@ QUICK = {
     "min_repeats": 3,
     "max_repeats": 10,
     "block_sizes": [(16, 20, 4)],
-    "loss_sizes": [(16, 100, None), (8, 100, 2)],
+    "loss_sizes": [
+        (16, 100, None, "dense"),
+        (8, 100, 2, "dense"),
+        (16, 100, None, "bcoo"),
+    ],
     "doubling_sizes": [(8, 256)],
 }
 
@@ -102,7 +117,7 @@ def krylov_kj_vjp(A, x0, d):
 
 def krylov_scan(A, x0, d):
     def step(x, _):
-        y = A @ x
+        y = A(x) if callable(A) else A @ x
         return y, y
 
     _, ys = lax.scan(step, x0, length=d - 1)
@@ -318,18 +333,35 @@ LOSSES = {
 }
 
 
+def loss_operator(kind: str, A):
+    """`(make, array)`: `make(array)` is the `A` that `krylov` gets for `kind`, and
+    `array` the one that `grad` differentiates (the stored values, for BCOO: about 8
+    entries per row of the dense `A`)."""
+    if kind == "bcoo":
+        mask = jax.random.uniform(jax.random.key(1), A.shape) < 8 / A.shape[0]
+        pattern = jsparse.BCOO.fromdense(jnp.where(mask, A, 0))
+        return lambda data: jsparse.BCOO((data, pattern.indices), shape=A.shape), (
+            pattern.data
+        )
+    if kind == "callable":
+        return lambda A: lambda x: A @ x, A
+    return lambda A: A, A
+
+
 def run_losses(sizes, config, log) -> list[dict]:
     """Temporary memory (and time) of `grad` for every form of loss."""
     results = []
-    for n, d, b in sizes:
+    for n, d, b, kind in sizes:
         A, x0, W = problem(n, d, b)
+        make, A = loss_operator(kind, A)
         for loss_name, loss in LOSSES.items():
-            entries, row = [], {"n": n, "d": d, "b": b, "loss": loss_name}
+            entries = []
+            row = {"n": n, "d": d, "b": b, "kind": kind, "loss": loss_name}
             for method in ("krylovjax", "scan"):
                 build = BUILDERS[method]
 
-                def f(A, x0, W, build=build, loss=loss, d=d):
-                    return loss(build(A, x0, d), W)
+                def f(A, x0, W, build=build, loss=loss, d=d, make=make):
+                    return loss(build(make(A), x0, d), W)
 
                 compiled, _ = compile_fn(jax.grad(f, argnums=(0, 1)), (A, x0, W))
                 row[method] = memory(compiled)["temp_bytes"]
@@ -338,9 +370,12 @@ def run_losses(sizes, config, log) -> list[dict]:
             row["time_ratio"] = statistics.median(
                 entries[0]["times"]
             ) / statistics.median(entries[1]["times"])
+            vector = 4 * n * (b or 1)
+            row["extra_vectors"] = (row["krylovjax"] - row["scan"]) / vector
             log(
-                f"  {loss_name:>16} n={n:<4} d={d:<5} b={b} temp "
-                f"{row['krylovjax'] / 1024:.0f} vs {row['scan'] / 1024:.0f} KiB, "
+                f"  {loss_name:>16} {kind:>8} n={n:<4} d={d:<5} b={b} temp "
+                f"{row['krylovjax'] / 1024:.0f} vs {row['scan'] / 1024:.0f} KiB "
+                f"({row['extra_vectors']:+.0f} vectors), "
                 f"time ratio {row['time_ratio']:.2f}"
             )
             results.append(row)
@@ -505,16 +540,20 @@ def markdown(report: dict) -> str:
         "",
         "## Every form of loss",
         "",
-        "Compiled temporary memory of `grad` (with respect to `A` and `x0`) with the "
-        "defaults against plain autodiff through a `lax.scan`, and the time ratio.",
+        "Compiled temporary memory of `grad` (with respect to `A`, or its stored "
+        "values, and `x0`) with the defaults against plain autodiff through a "
+        "`lax.scan`, the difference in vectors of `x0`'s size (the target: at most "
+        "64), and the time ratio.",
         "",
-        "| n | d | b | loss | kj temp KiB | scan temp KiB | temp ratio | time ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| A | n | d | b | loss | kj temp KiB | scan temp KiB | extra vectors "
+        "| temp ratio | time ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["losses"]:
         lines.append(
-            f"| {r['n']} | {r['d']} | {r['b'] or '-'} | {r['loss']} "
+            f"| {r['kind']} | {r['n']} | {r['d']} | {r['b'] or '-'} | {r['loss']} "
             f"| {_kib(r['krylovjax'])} | {_kib(r['scan'])} "
+            f"| {r['extra_vectors']:+.0f} "
             f"| {_fmt(_ratio(r['krylovjax'], r['scan']))} | {_fmt(r['time_ratio'])} |"
         )
     lines += [
