@@ -53,9 +53,10 @@ def krylov(
     of $A$, and one derivative rule serves forward and reverse mode: `jax.jvp`,
     `jax.jacfwd`, `jax.linearize`, `jax.grad`, `jax.vjp` and `jax.hessian` all work.
     The reverse pass is written by hand: it propagates the gradient of $x_0$, keeps
-    only the forward output, runs the adjoint recurrence backwards 64 steps at a
-    time and forms each chunk's share of the gradient of a dense $A$ with one matrix
-    product.
+    only the forward output, runs the adjoint recurrence backwards a chunk of steps
+    at a time (as many as keep its buffers within 64 vectors beyond plain autodiff's
+    memory) and forms each chunk's share of the gradient of a dense $A$ with one
+    matrix product.
 
     **Arguments:**
 
