@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
+from jax import lax
 from jax.experimental import sparse
 from jaxtyping import Array, Inexact, PRNGKeyArray
 
@@ -310,13 +311,21 @@ def trace_funm(
     probes = _draw(key, sampler, num_probes, n, real).astype(dtype)
     arg = f"{fn_name}(f=...)"
 
-    def quadrature(z):
+    def tridiagonal(z):
         dec = lanczos(A, z, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
-        fn = _scalar_function(f, jnp.zeros_like(dec.diagonal), arg)
-        c = _funm_e0(fn, dec.diagonal, dec.off_diagonal)[0]
-        return (dec.norm * dec.norm).astype(c.dtype) * c
+        return dec.diagonal, dec.off_diagonal, dec.norm
 
-    return jnp.mean(jax.vmap(quadrature)(probes))
+    def quadrature(run):
+        diagonal, off_diagonal, norm = run
+        fn = _scalar_function(f, jnp.zeros_like(diagonal), arg)
+        c = _funm_e0(fn, diagonal, off_diagonal)[0]
+        return (norm * norm).astype(c.dtype) * c
+
+    # The Lanczos runs are batched; the small eigendecompositions run one at a time.
+    # jaxlib's batched `eigh` on CPU splits its batch over the thread pool that runs
+    # it and waits there for the parts: two at once (a value and a derivative in one
+    # program, on two cores) can wait on each other forever. One matrix runs inline.
+    return jnp.mean(lax.map(quadrature, jax.vmap(tridiagonal)(probes)))
 
 
 # ------------------------------------------------------------- the small matrix

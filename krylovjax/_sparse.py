@@ -313,7 +313,7 @@ def _add_sampled_local(acc, indices, transposed, cts, stored, first_step):
 
         # One vector at a time: gathers from a single vector fuse into the sum that
         # reads them (no gathered array is written), where one gather of all `k`
-        # vectors at once, `(k, size)`, is written out and ran 4-9x slower on CPU.
+        # vectors at once, `(k, size)`, is written out and ran 3-12x slower on CPU.
         # Unrolled for single vectors only: with a block, XLA then keeps every
         # step's gathered rows at once.
         def add(j, part):

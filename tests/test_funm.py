@@ -8,6 +8,9 @@ how they are drawn from the key), and its gradient by the Daleckii--Krein formul
 Every computation is jitted, several cases per program, to keep the file fast.
 """
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -699,3 +702,35 @@ def test_row_sharded_matrix_on_both_mesh_kinds():
             assert max(errors) < 1e-12, record
             if kind == "Explicit":
                 assert record[f"{kind}, x0 {layout}, basis"] == spec, record
+
+
+_CONCURRENT_EIGH_SCRIPT = """
+import jax, jax.numpy as jnp, jax.random as jr, numpy as np
+import krylovjax
+jax.config.update("jax_enable_x64", True)
+Q = np.linalg.qr(np.random.default_rng(0).standard_normal((6, 6)))[0]
+S = jnp.asarray(Q @ np.diag(np.arange(1.0, 7.0)) @ Q.T)
+
+def logdet(S):
+    return krylovjax.trace_funm(jnp.log, S, jr.key(5), 6, num_probes=2000)
+
+f = jax.jit(lambda S: (jax.grad(logdet)(S), jax.jvp(logdet, (S,), (S,))[1]))
+for _ in range(300):
+    jax.block_until_ready(f(S))
+print("done")
+"""
+
+
+def test_trace_estimate_and_its_derivatives_in_one_program_do_not_hang():
+    # A value and two derivatives of a trace estimate in one jitted program run
+    # several batches of small eigendecompositions at once. jaxlib's batched CPU
+    # `eigh` waits, on its own thread pool, for the parts it gave that pool, and two
+    # at once hung within 300 calls on two cores. In a subprocess, with a timeout.
+    result = subprocess.run(
+        [sys.executable, "-c", _CONCURRENT_EIGH_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("done")
