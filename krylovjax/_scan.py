@@ -430,6 +430,26 @@ krylov_tangent = tangent_primitive(
 )
 
 
+def _stored_tail(operator: AbstractOperator, x0: Array, steps: int) -> Array:
+    r"""$[A x_0, \dots, A^{s} x_0]$ like `krylov_tail`, written row by row into a
+    stack that the loop carries.
+
+    Under `vmap` over a batch of operators, a carried stack has the batch first,
+    where a scan's stacked output has it second; the reverse pass's loops read the
+    stack with the batch first, and would otherwise copy it whole.
+    """
+    stack = jnp.broadcast_to(jnp.zeros_like(x0)[None], (steps, *x0.shape))
+    if steps == 0:
+        return stack
+
+    def body(i, carry):
+        x, stack = carry
+        y = typed_like(operator.mv(x), x)
+        return y, lax.dynamic_update_index_in_dim(stack, y, i, 0)
+
+    return lax.fori_loop(0, steps, body, (x0, stack))[1]
+
+
 @eqx.filter_custom_jvp
 def _krylov_custom_jvp(operator: AbstractOperator, x0: Array, *, d: int) -> Array:
     return krylov_scan(operator, x0, d)
@@ -441,7 +461,7 @@ def _krylov_jvp(primals, tangents, *, d):
     t_operator, t_x0 = tangents
     # The derivative rules read x_1 .. x_(d-2) only: the last vector is computed
     # outside the stored stack, so that reverse mode does not keep it.
-    stored = krylov_tail(operator, x0, d - 2)
+    stored = _stored_tail(operator, x0, d - 2)
     before_last = x0 if d == 2 else stored[-1]
     last = typed_like(operator.mv(before_last), before_last)
     tail = jnp.concatenate([stored, last[None]])
