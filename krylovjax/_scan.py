@@ -40,8 +40,10 @@ product), and its transpose rule is `adjoint_chunks` above. `jax.jvp` and
 `jax.jacfwd` run the tangent scan; `jax.grad` and `jax.vjp` linearise and
 transpose, which runs the chunked reverse pass with the forward output as the
 only residual, less its last vector $x_{d-1}$, which neither pass reads (the rule
-stores $x_1, \dots, x_{d-2}$ and computes $x_{d-1}$ outside that stack). Higher
-derivatives differentiate these scans with JAX's own rules.
+stores $x_1, \dots, x_{d-2}$ and computes $x_{d-1}$ outside that stack). That stack
+is written by a loop that carries it (`_stored_tail`), so that under `vmap` over a
+batch of operators it has the batch first, as the reverse pass reads it. Higher
+derivatives differentiate these loops with JAX's own rules.
 
 `krylov_custom_vjp` is the same reverse pass as a `jax.custom_vjp`, for reverse
 mode only.

@@ -104,9 +104,7 @@ CHUNKING_CASES = [
 @pytest.mark.parametrize("n, d, block", CHUNKING_CASES)
 def test_every_chunking_matches_autodiff(kind, n, d, block):
     A = random_matrix(jax.random.key(1), n, jnp.float64, scale=0.95)
-    like = sparse.BCOO.fromdense(
-        jnp.where(jax.random.uniform(jax.random.key(2), (n, n)) < 8 / n, A, 0)
-    )
+    like = _sparse_like(A, jax.random.key(2))
     if kind == "bcoo":
         A = like.data
     shape = (n,) if block is None else (n, block)
@@ -302,6 +300,15 @@ def _loss(kind, X, W):
     return X[:, -1].sum()
 
 
+def _sparse_like(A, key):
+    """`A` as BCOO with about 8 of its entries per row kept, so that the pattern is
+    sparse at every size."""
+    n = A.shape[0]
+    return sparse.BCOO.fromdense(
+        jnp.where(jax.random.uniform(key, (n, n)) < 8 / n, A, 0)
+    )
+
+
 def _operator(kind, A, like):
     if kind == "dense":
         return A
@@ -332,9 +339,7 @@ def test_grad_memory_at_most_plain_autodiff(loss, kind, n, d, block):
     # take chunks of 64 steps, whose buffers hold 2 * 64 + n vectors, plus 16 more
     # that XLA keeps beside the loops.
     A = random_matrix(jax.random.key(6), n, jnp.float32)
-    # About 8 entries per row, so that the BCOO pattern is sparse at every size.
-    mask = jax.random.uniform(jax.random.key(7), (n, n)) < 8 / n
-    like = sparse.BCOO.fromdense(jnp.where(mask, A, 0))
+    like = _sparse_like(A, jax.random.key(7))
     if kind == "bcoo":
         A = like.data
     shape = (n,) if block is None else (n, block)
@@ -471,9 +476,7 @@ def test_grad_of_vmap_over_operators_keeps_one_stack(kind):
     # was copied whole, about d more vectors per member).
     B, n = 3, 256
     As = jnp.broadcast_to(random_matrix(jax.random.key(0), n, jnp.float32), (B, n, n))
-    like = sparse.BCOO.fromdense(
-        jnp.where(jax.random.uniform(jax.random.key(1), (n, n)) < 8 / n, As[0], 0)
-    )
+    like = _sparse_like(As[0], jax.random.key(1))
     ps = jnp.stack([like.data] * B) if kind == "bcoo" else As
     x0s = jnp.ones((B, n), jnp.float32)
 
