@@ -134,8 +134,8 @@ def typed_like(y: Array, like: Array) -> Array:
 #   rank-b) gradient then adds into the running sum in place, as in plain autodiff;
 # - except for vectors of fewer than `SMALL` numbers: there a chunk's fixed costs
 #   dominate cheap steps, and chunks of `CHUNK` steps keep the reverse pass about
-#   twice as fast as plain autodiff's, for at most 2 * 64 + n extra vectors (under
-#   48 KiB in float32).
+#   twice as fast as plain autodiff's, for about 2 * 64 + n + 8 extra vectors (at
+#   most 161 at n = 32, 47 KiB at n = 63, in float32; see docs/adjoint.md).
 LEAN_FROM = 256
 ROW_BLOCK = 16
 LEAN_CHUNK = 24

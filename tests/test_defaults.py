@@ -336,8 +336,8 @@ def test_grad_memory_at_most_plain_autodiff(loss, kind, n, d, block):
     # `jax.grad` with the defaults needs at most the compiled temporary memory of
     # plain autodiff through a `lax.scan` plus 64 vectors, for every form of loss.
     # Vectors of fewer than 64 numbers (a dense or callable `A` with a small x0)
-    # take chunks of 64 steps, whose buffers hold 2 * 64 + n vectors, plus 16 more
-    # that XLA keeps beside the loops.
+    # take chunks of 64 steps, whose buffers hold 2 * 64 + n vectors, plus up to 16
+    # more that XLA keeps beside the loops (up to 8 measured).
     A = random_matrix(jax.random.key(6), n, jnp.float32)
     like = _sparse_like(A, jax.random.key(7))
     if kind == "bcoo":
