@@ -147,6 +147,18 @@ def funm_action(
     breakdown), where JAX's rule for `eigh` gives `nan`; second derivatives
     (`jax.hessian`) go through JAX's rule, so they need distinct eigenvalues.
 
+    At a breakdown the derivatives are those of the invariant space found: exact
+    for perturbations that keep it invariant (every nearby `b` when $A$ has at most
+    $k$ distinct eigenvalues, edge weights that keep a graph's components apart).
+    A perturbation that would enlarge it (`b` an eigenvector, moved off it) is not
+    seen: with $d < n$ the approximation is not differentiable there, and with
+    $d = n$, where it equals $f(A) b$ for every `b`, the derivative returned in
+    that direction is not $f(A)$'s. A breakdown is also missed where $\|A q_k\|$
+    is far below $\|A\|$ (an ill-conditioned $A$ and `b` near an eigenvector of a
+    small eigenvalue): the next vector is then rounding noise, and derivatives
+    through it are as large as $1 / \beta_k$. The values stay accurate in both
+    cases.
+
     !!! Example
 
         ```python
@@ -361,17 +373,24 @@ def _funm_e0_jvp(primals, tangents):
         E = (V.T @ dT @ V).astype(dtype)
         F = _divided_differences(lam, values, derivatives)
         terms = (F * E) @ wc
-    if any(t is not None for t in jtu.tree_leaves(t_fn)):
-        diff, static = eqx.partition(fn, eqx.is_inexact_array)
-        t_diff = jtu.tree_map(
-            lambda p, t: None if p is None else (jnp.zeros_like(p) if t is None else t),
-            diff,
-            t_fn,
-            is_leaf=lambda x: x is None,
-        )
-        _, dvalues = jax.jvp(
-            lambda diff: eqx.combine(diff, static)(lam), (diff,), (t_diff,)
-        )
+    # The leaves of `fn` with a tangent: what it closes over and is differentiated
+    # in. Chosen by their tangents, not by type: a closed-over Python float that
+    # `grad` traces arrives here as a scalar that is not an array, with a tangent.
+    leaves, treedef = jtu.tree_flatten(fn)
+    t_leaves = treedef.flatten_up_to(t_fn)
+    wanted = {
+        i: jnp.asarray(p)
+        for i, (p, t) in enumerate(zip(leaves, t_leaves, strict=True))
+        if t is not None
+    }
+    if wanted:
+
+        def fn_of(diff):
+            new = [diff.get(i, leaf) for i, leaf in enumerate(leaves)]
+            return jtu.tree_unflatten(treedef, new)(lam)
+
+        t_wanted = {i: jnp.asarray(t_leaves[i], p.dtype) for i, p in wanted.items()}
+        _, dvalues = jax.jvp(fn_of, (wanted,), (t_wanted,))
         terms = terms + dvalues.astype(dtype) * wc
     return out, Vc @ terms
 
@@ -390,15 +409,36 @@ def _tridiagonal(diagonal: Array, off_diagonal: Array) -> Array:
 
 
 def _divided_differences(lam: Array, values: Array, derivatives: Array) -> Array:
-    r"""$F_{ij} = (f(\lambda_i) - f(\lambda_j)) / (\lambda_i - \lambda_j)$, and the
-    mean of $f'(\lambda_i)$ and $f'(\lambda_j)$ where the eigenvalues are closer
-    than $\epsilon^{1/3}$ times the largest: there the quotient would lose digits to
-    cancellation, and the mean is within $O(|\lambda_i - \lambda_j|^2)$ of it."""
-    gap = lam[:, None] - lam[None, :]
-    scale = jnp.maximum(jnp.max(jnp.abs(lam)), jnp.finfo(lam.dtype).tiny)
-    close = jnp.abs(gap) <= jnp.finfo(lam.dtype).eps ** (1 / 3) * scale
-    safe_gap = jnp.where(close, jnp.ones_like(gap), gap).astype(values.dtype)
-    quotient = (values[:, None] - values[None, :]) / safe_gap
+    r"""$F_{ij} = (f(\lambda_i) - f(\lambda_j)) / (\lambda_i - \lambda_j)$, or the
+    mean of $f'(\lambda_i)$ and $f'(\lambda_j)$ where the quotient would lose digits
+    to cancellation; the mean is within $O(|\lambda_i - \lambda_j|^2)$ of it.
+
+    With $\delta = \epsilon^{1/3}$, the mean is taken where the gap is at most
+    $\delta$ times the largest $|\lambda|$ and either
+
+    - at most $\delta \max(|\lambda_i|, |\lambda_j|)$: the pair is close for its
+      own size; or
+    - $|f(\lambda_i) - f(\lambda_j)| \le \delta (|f(\lambda_i)| + |f(\lambda_j)|)$:
+      the difference of the values is not resolved (a smooth $f$ at two
+      eigenvalues that are both near zero for the spectrum's scale).
+
+    Otherwise the quotient's rounding error is at most $\epsilon^{2/3}$ of it.
+    Taking the pair's own size alone keeps apart two small, well separated
+    eigenvalues next to a large one, where $f$ changes fast (a logarithm)."""
+    delta = jnp.finfo(lam.dtype).eps ** (1 / 3)
+    gap = jnp.abs(lam[:, None] - lam[None, :])
+    size = jnp.abs(lam)
+    scale = jnp.maximum(jnp.max(size), jnp.finfo(lam.dtype).tiny)
+    pair = jnp.maximum(size[:, None], size[None, :])
+    difference = values[:, None] - values[None, :]
+    magnitude = jnp.abs(values)
+    unresolved = jnp.abs(difference) <= delta * (
+        magnitude[:, None] + magnitude[None, :]
+    )
+    close = (gap <= delta * scale) & ((gap <= delta * pair) | unresolved)
+    signed_gap = lam[:, None] - lam[None, :]
+    safe_gap = jnp.where(close, jnp.ones_like(signed_gap), signed_gap)
+    quotient = difference / safe_gap.astype(values.dtype)
     mean = (derivatives[:, None] + derivatives[None, :]) / 2
     return jnp.where(close, mean, quotient)
 

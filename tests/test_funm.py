@@ -509,6 +509,64 @@ def daleckii_krein(S, f, df, W):
     return V @ (F * (V.T @ W @ V)) @ V.T
 
 
+def test_derivatives_with_small_eigenvalues_next_to_a_large_one():
+    """Eigenvalues 1e-3 and 5e-2 beside 1e4. The logarithm changes fast between the
+    two small ones, so their divided difference must be the quotient, not the mean
+    of f' that serves eigenvalues too close to tell apart (close for the pair's own
+    size, not the spectrum's: with the spectrum's, the derivative was 5x too
+    large). At d = n the result is log(S) b exactly, and the log-det estimate is
+    exact for its probes: both derivatives are the Daleckii--Krein ones."""
+    rng = np.random.default_rng(7)
+    Q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+    S = (Q * np.array([1e-3, 5e-2, 1e4])) @ Q.T
+    S = (S + S.T) / 2
+    b, c, E = vector(3), vector(3, seed=5), jnp.asarray(spd(n=3, seed=8))
+    key, m = jr.key(2), 4
+
+    def action(S):
+        y = krylovjax.funm_action(
+            jnp.log, (S + S.T) / 2, jnp.asarray(b), 3, method="lanczos"
+        )
+        return y @ c
+
+    def logdet(S):
+        return krylovjax.trace_funm(jnp.log, (S + S.T) / 2, key, 3, num_probes=m)
+
+    grad, tangent, grad_trace = jax.jit(
+        lambda S: (
+            jax.grad(action)(S),
+            jax.jvp(action, (S,), (E,))[1],
+            jax.grad(logdet)(S),
+        )
+    )(jnp.asarray(S))
+    W = np.outer(c, b)
+    expected = daleckii_krein(S, np.log, lambda w: 1 / w, (W + W.T) / 2)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(grad, expected, rtol=1e-7, atol=1e-9 * scale)
+    np.testing.assert_allclose(tangent, np.sum(expected * np.asarray(E)), rtol=1e-7)
+    Z = probes(key, "rademacher", m, 3)
+    expected = daleckii_krein(S, np.log, lambda w: 1 / w, Z.T @ Z / m)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(grad_trace, expected, rtol=1e-7, atol=1e-9 * scale)
+
+
+def test_derivatives_reach_a_python_float_that_f_closes_over():
+    """`grad` and `jvp` called with a Python float t that `f` closes over (traced as
+    a scalar that is not an array): d/dt c^T exp(-tS) b = -c^T S exp(-tS) b, the
+    same as for an array t."""
+    S, b, c = jnp.asarray(spd()), jnp.asarray(vector()), vector(seed=4)
+
+    def y(t):
+        fn = lambda x: jnp.exp(-t * x)  # noqa: E731
+        return krylovjax.funm_action(fn, S, b, N, method="lanczos") @ c
+
+    S_np = np.asarray(S)
+    expected = -c @ S_np @ scipy.linalg.expm(-0.7 * S_np) @ np.asarray(b)
+    np.testing.assert_allclose(jax.grad(y)(0.7), expected, rtol=1e-10)
+    np.testing.assert_allclose(jax.jvp(y, (0.7,), (1.0,))[1], expected, rtol=1e-10)
+    np.testing.assert_allclose(jax.grad(y)(jnp.asarray(0.7)), expected, rtol=1e-10)
+
+
 def test_logdet_gradient_closed_forms():
     """The gradient of the log-det estimate equals the Daleckii--Krein gradient for
     the drawn probes, which is S^{-1} when their mean outer product is the identity;
