@@ -54,6 +54,7 @@ from ._checks import (
     standard_result_type,
 )
 from ._lanczos import lanczos
+from ._operator import check_operator_type
 from ._orthogonal import Adjoint, check_problem
 from ._typing import OperatorLike, StaticInt
 
@@ -318,7 +319,17 @@ def trace_funm(
     check_choice(sampler, SAMPLERS, f"{fn_name}(sampler=...)")
     _check_key(key, f"{fn_name}(key=...)")
     n, dtype = _probe_structure(A, like, fn_name)
-    check_problem(A, jnp.zeros((n,), dtype), d, reorthogonalize, adjoint, fn_name)
+    if d > n:
+        msg = (
+            f"`{fn_name}(d=...)` must be at most n = {n}, the size of the probes (an "
+            f"orthonormal basis of length-{n} vectors has at most {n} of them); got "
+            f"{d}."
+        )
+        raise ValueError(msg)
+    # A callable's checks compare its output with `like`, which gives the probes'
+    # shape (it is required for a callable).
+    probe = jnp.zeros((n,), dtype)
+    check_problem(A, probe, d, reorthogonalize, adjoint, fn_name, vector="like")
     real = jnp.finfo(dtype).dtype
     probes = _draw(key, sampler, num_probes, n, real).astype(dtype)
     arg = f"{fn_name}(f=...)"
@@ -502,6 +513,7 @@ def _check_key(key: Any, arg: str) -> None:
 
 def _probe_structure(A: Any, like: Any, fn_name: str) -> tuple[int, Any]:
     """The size and dtype of the probes: a matrix's own, promoted with `like`'s."""
+    check_operator_type(A, f"{fn_name}(A=...)")
     if like is not None:
         if not isinstance(like, jax.ShapeDtypeStruct):
             like = as_array(like, f"{fn_name}(like=...)")

@@ -531,8 +531,11 @@ def _describe(x: Any) -> str:
     return kind
 
 
-def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Array]:
-    """Validate `A` against `x0` and return `(operator, x0)` in the internal form.
+def as_operator(
+    A: Any, x0: Array, fn_name: str, vector: str = "x0"
+) -> tuple[AbstractOperator, Array]:
+    """Validate `A` against `x0` and return `(operator, x0)` in the internal form;
+    errors call `x0` by its argument name in `fn_name`, `vector`.
 
     For a matrix `A` (dense or BCOO) the dtypes of `A` and `x0` are promoted to their
     common type (`jnp.result_type` under JAX's standard rules, also when the caller
@@ -543,15 +546,9 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
     `TypeError`.
     """
     arg = f"{fn_name}(A=...)"
-    hint = _unsupported(A)
-    if hint is not None:
-        msg = (
-            f"`{arg}` must be a square array, a `jax.experimental.sparse.BCOO` matrix "
-            f"or a callable; got {hint}"
-        )
-        raise TypeError(msg)
+    check_operator_type(A, arg)
     if isinstance(A, sparse.BCOO):
-        _check_matrix_shape(A.shape, x0, fn_name)
+        _check_matrix_shape(A.shape, x0, fn_name, vector)
         check_bcoo_matrix(A, arg)
         check_inexact(A.data, arg)
         dtype = standard_result_type(A.data, x0)
@@ -559,7 +556,7 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
         matrix = sparse.BCOO((data, A.indices), shape=A.shape)
         return SparseOperator(matrix), x0.astype(dtype)
     if isinstance(A, jax.Array) or _is_numpy_array(A):
-        _check_matrix_shape(A.shape, x0, fn_name)
+        _check_matrix_shape(A.shape, x0, fn_name, vector)
         # Before `jnp.asarray`, which turns int64 into int32 when x64 is disabled.
         check_inexact(A, arg)
         A = jnp.asarray(A)
@@ -571,26 +568,39 @@ def as_operator(A: Any, x0: Array, fn_name: str) -> tuple[AbstractOperator, Arra
         if not isinstance(out, jax.ShapeDtypeStruct):
             msg = (
                 f"`{arg}` must be a callable that returns one array of the same shape "
-                f"and dtype as `x0`; it returned a pytree {out}."
+                f"and dtype as `{vector}`; it returned a pytree {out}."
             )
             raise TypeError(msg)
         if out.shape != x0.shape:
             msg = (
                 f"`{arg}` must be a callable that returns an array of the same shape "
-                f"as `x0`, {x0.shape}; it returned shape {out.shape}."
+                f"as `{vector}`, {x0.shape}; it returned shape {out.shape}."
             )
             raise ValueError(msg)
         if out.dtype != x0.dtype:
             msg = (
                 f"`{arg}` must be a callable that returns an array of the same dtype "
-                f"as `x0`, {x0.dtype}; it returned dtype {out.dtype}."
+                f"as `{vector}`, {x0.dtype}; it returned dtype {out.dtype}."
             )
             raise TypeError(msg)
         check_linear(fn, x0, arg)
         return FunctionOperator(fn, jax.typeof(x0)), x0
+    raise AssertionError  # `check_operator_type` let through no other kind
+
+
+def check_operator_type(A: Any, arg: str) -> None:
+    """Raise a `TypeError` naming `arg` unless `A` is a dense array, a BCOO matrix or
+    a callable; for a sparse or masked type that is not taken, say how to convert
+    it."""
+    hint = _unsupported(A)
+    if hint is None and (
+        isinstance(A, sparse.BCOO | jax.Array) or _is_numpy_array(A) or callable(A)
+    ):
+        return
+    got = hint if hint is not None else f"{_describe(A)}."
     msg = (
         f"`{arg}` must be a square array, a `jax.experimental.sparse.BCOO` matrix or "
-        f"a callable; got {_describe(A)}."
+        f"a callable; got {got}"
     )
     raise TypeError(msg)
 
@@ -623,19 +633,21 @@ def _is_numpy_array(A: Any) -> bool:
     return type(A).__module__ == "numpy" and hasattr(A, "shape")
 
 
-def _check_matrix_shape(shape: tuple[int, ...], x0: Array, fn_name: str) -> None:
+def _check_matrix_shape(
+    shape: tuple[int, ...], x0: Array, fn_name: str, vector: str
+) -> None:
     if len(shape) != 2 or shape[0] != shape[1]:
         msg = f"`{fn_name}(A=...)` must be a square matrix; got shape {tuple(shape)}."
         raise ValueError(msg)
     if x0.ndim not in (1, 2):
         msg = (
-            f"`{fn_name}(x0=...)` must have shape (n,) or (n, b) when `A` is a matrix; "
-            f"got shape {x0.shape}."
+            f"`{fn_name}({vector}=...)` must have shape (n,) or (n, b) when `A` is a "
+            f"matrix; got shape {x0.shape}."
         )
         raise ValueError(msg)
     if x0.shape[0] != shape[0]:
         msg = (
-            f"`{fn_name}(x0=...)` must have first axis of length {shape[0]} to match "
-            f"`A` of shape {tuple(shape)}; got shape {x0.shape}."
+            f"`{fn_name}({vector}=...)` must have first axis of length {shape[0]} to "
+            f"match `A` of shape {tuple(shape)}; got shape {x0.shape}."
         )
         raise ValueError(msg)

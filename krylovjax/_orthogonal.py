@@ -86,7 +86,7 @@ def check_problem(
         )
         raise ValueError(msg)
     check_output_size(d, [x0], fn_name)
-    operator, x0 = as_operator(A, x0, fn_name)
+    operator, x0 = as_operator(A, x0, fn_name, vector)
     n = x0.shape[0]
     if d > n:
         msg = (

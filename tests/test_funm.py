@@ -695,6 +695,13 @@ def test_funm_action_errors():
         unchecked(funm)(jnp.exp, A_ERR, jnp.ones(3, int), 2, method="lanczos")
     with pytest.raises(ValueError, match=r"`funm_action\(A=...\)` must be a square"):
         unchecked(funm)(jnp.exp, jnp.ones((3, 2)), B_ERR, 2, method="lanczos")
+    # Errors about the vector name it `b`, the argument of `funm_action`.
+    with pytest.raises(
+        ValueError, match=r"`funm_action\(b=...\)` must have first axis of length 3"
+    ):
+        unchecked(funm)(jnp.exp, A_ERR, jnp.ones(4), 2, method="lanczos")
+    with pytest.raises(ValueError, match=r"the same shape as `b`, \(3,\)"):
+        funm(jnp.exp, lambda v: v[:2], B_ERR, 2, method="lanczos")
     with pytest.raises(TypeError, match=r"`funm_action\(reorthogonalize=...\)`"):
         unchecked(funm)(
             jnp.exp, A_ERR, B_ERR, 2, method="lanczos", reorthogonalize="yes"
@@ -728,8 +735,16 @@ def test_trace_funm_errors():
         unchecked(trace)(jnp.log, A_ERR, key, 2, num_probes=2, sampler="gauss")
     with pytest.raises(ValueError, match=r"`trace_funm\(num_probes=...\)` must be an"):
         trace(jnp.log, A_ERR, key, 2, num_probes=0)
-    with pytest.raises(ValueError, match=r"`trace_funm\(d=...\)` must be at most n"):
+    with pytest.raises(
+        ValueError, match=r"`trace_funm\(d=...\)` must be at most n = 3, the size of"
+    ):
         trace(jnp.log, A_ERR, key, 4, num_probes=2)
+    with pytest.raises(ValueError, match=r"the same shape as `like`, \(3,\)"):
+        trace(jnp.log, lambda v: v[:2], key, 2, num_probes=2, like=jnp.ones(3))
+    with pytest.raises(
+        TypeError, match=r"`trace_funm\(A=...\)` must be a square array, .* type list"
+    ):
+        unchecked(trace)(jnp.log, [[1.0, 0.0], [0.0, 1.0]], key, 2, num_probes=2)
     with pytest.raises(
         TypeError, match=r"`trace_funm\(key=...\)` must be one JAX PRNG"
     ):
