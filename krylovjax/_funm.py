@@ -54,7 +54,7 @@ from ._checks import (
     standard_result_type,
 )
 from ._lanczos import lanczos
-from ._operator import check_operator_type
+from ._operator import check_operator_type, closure_convert
 from ._orthogonal import Adjoint, check_problem
 from ._typing import OperatorLike, StaticInt
 
@@ -465,7 +465,7 @@ def _scalar_function(f: Callable, example: Array, arg: str) -> Callable:
     its sharding too: the closure-converted function checks that), so it is made
     from the tridiagonal matrix's own diagonal."""
     (d,) = example.shape
-    fn = eqx.filter_closure_convert(f, example)
+    fn = closure_convert(f, example)
     out = jax.eval_shape(fn, example)
     _check_output(out, (d,), arg, f"the ({d},) eigenvalues of T to ({d},) values")
     return fn

@@ -34,6 +34,7 @@ import jax.tree_util as jtu
 from jax import lax
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
+from ._operator import closure_convert
 from ._sequence import ADJOINTS, Adjoint, trajectory, with_first
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 from ._typing import StaticInt
@@ -101,7 +102,7 @@ def iterate(
             f"{type(step).__name__}."
         )
         raise TypeError(msg)
-    step = eqx.filter_closure_convert(step, x0)
+    step = closure_convert(step, x0)
     _check_step_output(jax.eval_shape(step, x0), x0)
     if d == 1:
         return jtu.tree_map(lambda x: x[None], x0)

@@ -531,6 +531,21 @@ def _describe(x: Any) -> str:
     return kind
 
 
+def closure_convert(fn: Callable, *args: Any) -> Callable:
+    """`equinox.filter_closure_convert(fn, *args)`, with every array that `fn` closes
+    over made a JAX array.
+
+    A Python float that `jax.grad` or `jax.jvp` is called with becomes a tracer
+    whose value is a Python scalar type, not an array. The derivative rules
+    (Equinox's custom rules and primitives, and the library's) split their
+    arguments into arrays, which are differentiated, and the rest, which is static:
+    such a value would lose its derivative, or make the rule fail. `jnp.asarray`
+    gives it an array value; it changes nothing for an array.
+    """
+    converted = eqx.filter_closure_convert(fn, *args)
+    return jtu.tree_map(lambda x: jnp.asarray(x) if eqx.is_array(x) else x, converted)
+
+
 def as_operator(
     A: Any, x0: Array, fn_name: str, vector: str = "x0"
 ) -> tuple[AbstractOperator, Array]:
@@ -563,7 +578,7 @@ def as_operator(
         dtype = standard_result_type(A, x0)
         return DenseOperator(A.astype(dtype)), x0.astype(dtype)
     if callable(A):
-        fn = eqx.filter_closure_convert(A, x0)
+        fn = closure_convert(A, x0)
         out = jax.eval_shape(fn, x0)
         if not isinstance(out, jax.ShapeDtypeStruct):
             msg = (

@@ -229,3 +229,52 @@ def test_iterate_hessian_with_custom_vjp():
     lib, ref = _iterate_fns()
     apply = jax.jit(ITERATE_FORWARD["hessian"], static_argnums=0)
     assert_trees_close(apply(lib, m, x), apply(ref, m, x), **TOL)
+
+
+# A Python float that a callable closes over, as `jax.grad(f)(0.7)` and
+# `jax.jvp(f, (0.7,), ...)` trace it: a tracer whose value is a Python scalar type,
+# not an array. Its derivative was dropped (zero with `custom_vjp`) or the rule
+# failed with a `TypeError`.
+M_T = random_matrix(jr.key(21), N, jnp.float64) / 2
+X0_T = random_array(jr.key(22), (N,), jnp.float64)
+PYTHON_FLOAT_CASES = {
+    ("krylov", "scan", None): lambda t: krylovjax.krylov(
+        lambda x: t * (M_T @ x), X0_T, D
+    ),
+    ("krylov", "scan", "custom_vjp"): lambda t: krylovjax.krylov(
+        lambda x: t * (M_T @ x), X0_T, D, adjoint="custom_vjp"
+    ),
+    ("krylov", "doubling", None): lambda t: krylovjax.krylov(
+        lambda x: t * (M_T @ x), X0_T, D, method="doubling"
+    ),
+    ("iterate", "custom_jvp"): lambda t: krylovjax.iterate(
+        lambda x: jnp.tanh(t * (M_T @ x)), X0_T, D
+    ),
+    ("iterate", "custom_vjp"): lambda t: krylovjax.iterate(
+        lambda x: jnp.tanh(t * (M_T @ x)), X0_T, D, adjoint="custom_vjp"
+    ),
+    ("funm_action",): lambda t: krylovjax.funm_action(
+        jnp.exp, lambda x: t * ((M_T + M_T.T) @ x), X0_T, D, method="lanczos"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PYTHON_FLOAT_CASES), ids=str)
+def test_derivative_in_a_python_float_that_a_callable_closes_over(case):
+    f = PYTHON_FLOAT_CASES[case]
+
+    # `krylov` stacks its vectors as columns, `iterate` along the first axis.
+    weights = {"krylov": CT, "iterate": CT.T, "funm_action": CT[:, 0]}[case[0]]
+
+    def loss(t):
+        return jnp.sum(weights * f(t))
+
+    expected = jax.grad(loss)(jnp.asarray(0.7))
+    assert_trees_close(jax.grad(loss)(0.7), expected, **TOL)
+    if "custom_vjp" not in case and "doubling" not in case:  # reverse-only rules
+        assert_trees_close(jax.jvp(loss, (0.7,), (1.0,))[1], expected, **TOL)
+    if case[0] == "krylov":
+        # sum_k t^k <c_k, M^k x0>, differentiated: sum_k k t^(k-1) <c_k, M^k x0>.
+        powers = [jnp.linalg.matrix_power(M_T, k) @ X0_T for k in range(D)]
+        closed = sum(k * 0.7 ** (k - 1) * (CT[:, k] @ powers[k]) for k in range(1, D))
+        assert_trees_close(expected, closed, **TOL)
