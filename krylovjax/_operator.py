@@ -168,6 +168,15 @@ def _explicit(matrix: Array) -> bool:
     return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
+def _like_input(x: Array) -> Any:
+    """The output sharding of a reverse step's product with input `x`: `x`'s own on
+    an explicit mesh, where a contraction over an axis that both operands shard
+    (`A` sharded by rows, and `x0` too) must be told where the result lives, as
+    JAX's own transpose of the forward product is; `None` (XLA's choice) elsewhere.
+    """
+    return jax.typeof(x).sharding if _explicit(x) else None
+
+
 def _row_block(matrix: Array) -> int | None:
     """Rows per block of the gradient of a dense `matrix`; `None`: one product (on
     an explicit mesh, the product states its sharding instead; see `param_vjp`)."""
@@ -256,13 +265,15 @@ class DenseTransposeOperator(AbstractOperator):
 
     `mv` contracts the matrix's first axis directly: `A.T @ y` would make XLA
     materialise the transposed matrix (inside every step of a loop, or once as a
-    second `(n, n)` array outside it).
+    second `(n, n)` array outside it). On an explicit mesh its output is sharded
+    like its input (see `_like_input`).
     """
 
     matrix: Inexact[Array, "n n"]
 
     def mv(self, y: Shaped[Array, "n ..."]) -> Shaped[Array, "n ..."]:
-        return lax.dot_general(self.matrix, y, (((0,), (0,)), ((), ())))
+        dims = (((0,), (0,)), ((), ()))
+        return lax.dot_general(self.matrix, y, dims, out_sharding=_like_input(y))
 
     def transpose(self) -> AbstractOperator:
         return DenseOperator(self.matrix)
@@ -290,7 +301,8 @@ class DenseRowsOperator(AbstractOperator):
     transposed: Inexact[Array, "n n"]
 
     def mv(self, z: Shaped[Array, "b n"]) -> Shaped[Array, "b n"]:
-        return z @ self.transposed
+        dims = (((1,), (0,)), ((), ()))
+        return lax.dot_general(z, self.transposed, dims, out_sharding=_like_input(z))
 
     def transpose(self) -> AbstractOperator:
         # Forms A itself: called once, outside the reverse scan.

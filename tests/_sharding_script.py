@@ -6,7 +6,12 @@ starts. It prints one JSON line: a list of records, one per case of `cases()`:
 
     mesh axis type ("auto", "explicit")
     x operands ("rows": A row-sharded, x0 of shape (n,) replicated;
-                "batch": A replicated, x0 of shape (n, b) sharded along b)
+                "batch": A replicated, x0 of shape (n, b) sharded along b;
+                and, for a few kinds, both sharded along the axis that the
+                reverse pass's product with A contracts: "rows_both" (x0 of
+                shape (n,) sharded too), "block_rows" (x0 of shape (n, b) sharded
+                along n), "block_columns" (A column-sharded, x0 of shape (n, b)
+                sharded along b))
     x operator ("matrix": A itself; "callable": `lambda v: A @ v`, closing over A)
     x method ("scan", "doubling") x layout ("columns", "rows")
     x adjoint ("custom_vjp", "custom_jvp", "autodiff")
@@ -39,6 +44,14 @@ MESHES = ("auto", "explicit")
 OPERANDS = ("rows", "batch")
 LAYOUTS = ("columns", "rows")
 ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
+# Only on an explicit mesh, where the reverse pass must say how its product with A
+# is sharded: the scan with a matrix (each adjoint) and a callable, and doubling.
+SHARED_OPERANDS = ("rows_both", "block_rows", "block_columns")
+SHARED_KINDS = (
+    ("matrix", "scan", ("columns",), ADJOINTS),
+    ("callable", "scan", ("columns",), ("custom_jvp",)),
+    ("matrix", "doubling", ("columns",), ("custom_vjp",)),
+)
 # Problems (operands, n, d) sized so that doubling's own reverse pass meets both of
 # its schemes on both kinds of sharded operands: with the default sizes, (rows, 16, 6)
 # takes Hillis-Steele and (batch, 16, 6) the transposed levels; these two the others.
@@ -60,6 +73,22 @@ def cases() -> list[dict]:
                 ("callable", "scan", ("columns",), ADJOINTS),
                 ("matrix", "doubling", LAYOUTS, ("custom_vjp", "autodiff")),
             ):
+                for layout in layouts:
+                    for adjoint in adjoints:
+                        out.append(
+                            dict(
+                                mesh=mesh,
+                                operands=operands,
+                                operator=operator,
+                                method=method,
+                                layout=layout,
+                                adjoint=adjoint,
+                                n=N,
+                                d=D,
+                            )
+                        )
+        for operands in SHARED_OPERANDS if mesh == "explicit" else ():
+            for operator, method, layouts, adjoints in SHARED_KINDS:
                 for layout in layouts:
                     for adjoint in adjoints:
                         out.append(
@@ -100,10 +129,14 @@ def _problem(operands: str, n: int) -> tuple[jax.Array, jax.Array, P, P]:
     key_a, key_x = jax.random.split(jax.random.key(0))
     # Scaled so that the powers of A stay of order one.
     A = jax.random.normal(key_a, (n, n), dtype=jnp.float64) / jnp.sqrt(n)
-    if operands == "rows":
+    if operands in ("rows", "rows_both"):
         x0 = jax.random.normal(key_x, (n,), dtype=jnp.float64)
-        return A, x0, P("x", None), P()
+        return A, x0, P("x", None), P("x") if operands == "rows_both" else P()
     x0 = jax.random.normal(key_x, (n, B), dtype=jnp.float64)
+    if operands == "block_rows":
+        return A, x0, P("x", None), P("x", None)
+    if operands == "block_columns":
+        return A, x0, P(None, "x"), P(None, "x")
     return A, x0, P(), P(None, "x")
 
 

@@ -12,7 +12,12 @@ creates by default); `A` row-sharded (`P("x", None)`) with a replicated `x0` of 
 (`P(None, "x")`); `A` passed as the matrix or as a closure `lambda v: A @ v`; the
 scan with every adjoint and doubling with both of its adjoints, both layouts; and
 doubling's reverse pass on sizes that meet both of its schemes (transposed levels,
-Hillis-Steele scan) for both kinds of sharded operands. Values in float64.
+Hillis-Steele scan) for both kinds of sharded operands. And operands sharded along
+the axis that the reverse pass's product with `A` contracts, where on an explicit
+mesh it must state how its output is sharded: `A` and a vector `x0` both sharded by
+rows, `A` by rows with a block `x0` sharded along `n`, and `A` by columns with a
+block sharded along `b` (on an `Auto` mesh XLA shards the products itself). Values
+in float64.
 """
 
 import pytest
@@ -35,6 +40,14 @@ KINDS = (
 # each kind of sharded operand meets both (the last two run with layout "columns"
 # only, on top of the (N, D) cases of KINDS).
 DOUBLING_PROBLEMS = (("rows", N, 32), ("batch", 64, 5))
+# Operands sharded on the axis the reverse product contracts, and what runs on them,
+# on the explicit mesh.
+SHARED_OPERANDS = ("rows_both", "block_rows", "block_columns")
+SHARED_KINDS = (
+    ("matrix", "scan", ("columns",), ADJOINTS),
+    ("callable", "scan", ("columns",), ("custom_jvp",)),
+    ("matrix", "doubling", ("columns",), ("custom_vjp",)),
+)
 RTOL = 1e-12
 
 
@@ -48,6 +61,13 @@ def _case_ids() -> list[str]:
     for mesh in MESHES:
         for operands in OPERANDS:
             for operator, method, layouts, adjoints in KINDS:
+                for layout in layouts:
+                    for adjoint in adjoints:
+                        ids.append(
+                            _id(mesh, operands, operator, method, layout, adjoint)
+                        )
+        for operands in SHARED_OPERANDS if mesh == "explicit" else ():
+            for operator, method, layouts, adjoints in SHARED_KINDS:
                 for layout in layouts:
                     for adjoint in adjoints:
                         ids.append(
