@@ -69,7 +69,11 @@ def krylov(
         A callable must be linear: one that JAX cannot transpose, or that adds a
         term independent of its input (`lambda x: M @ x + c`), raises a
         `TypeError` at trace time; a nonlinear map belongs in
-        [`krylovjax.iterate`][].
+        [`krylovjax.iterate`][]. The check reads the callable's structure, not the
+        values of the JAX arrays it closes over: one that puts such an array in its
+        output (a padding `jnp.zeros(1)` made outside it, a `jnp.where` fill) is
+        taken to add a term, even if it holds zeros; make those zeros inside the
+        callable (`jnp.zeros_like(x[:1])`, or the literal `0.0`).
     - `x0`: the starting vector `(n,)`, or a block of `b` starting vectors
         `(n, b)`. For a callable `A`, any shape with at least one axis. Must be
         floating point or complex: integer and boolean arrays raise a `TypeError`

@@ -131,7 +131,10 @@ def _check_zero_at_zero(closed: jex.ClosedJaxpr, n_leaves: int, arg: str) -> Non
             f"`{arg}` must be linear in its input, so that A(0) = 0; got a callable "
             f"that adds a term that does not depend on its input (an affine map such "
             f"as `lambda x: M @ x + c`, or a constant). Such a map belongs in "
-            f"`krylovjax.iterate`."
+            f"`krylovjax.iterate`. A JAX array that the callable closes over and "
+            f"puts in its output counts as such a term even if it holds zeros (a "
+            f"padding or `jnp.where` fill made outside it): make those zeros inside "
+            f"the callable, e.g. `jnp.zeros_like(x[:1])` or the literal `0.0`."
         )
         raise TypeError(msg)
 

@@ -212,6 +212,7 @@ LINEAR = {
     "where_zero": lambda x: jnp.where(MASK, x, 0.0),
     "set_zero": lambda x: x.at[0].set(0.0),
     "pad_zero": lambda x: jnp.pad(x, 1)[1:-1] + jnp.roll(x, 1),
+    "shift_zeros_inside": lambda x: jnp.concatenate([x[1:], jnp.zeros_like(x[:1])]),
     "bcoo": lambda x: M_BCOO @ x,
     "solve": lambda x: jnp.linalg.solve(M + jnp.eye(3), x),
     "scan": lambda x: jax.lax.scan(lambda y, _: (M @ y + y, None), x, length=2)[0],
@@ -245,6 +246,14 @@ def test_krylov_nonlinear_gradient_refused(adjoint):
 
     with pytest.raises(TypeError, match=_m("`krylov(A=...)` must be linear")):
         jax.grad(loss)(X0)
+
+
+def test_krylov_closed_over_zeros_message_says_what_to_do():
+    # The check reads structure, not the values of closed-over JAX arrays: zeros
+    # made outside the callable count as a term; the message says how to write it.
+    pad = jnp.zeros(1)
+    with pytest.raises(TypeError, match=_m("`jnp.zeros_like(x[:1])`")):
+        krylovjax.krylov(lambda x: jnp.concatenate([x[1:], pad]), X0, 3)
 
 
 def test_krylov_affine_with_traced_arrays():
