@@ -103,7 +103,14 @@ def as_array(x: Any, name: str) -> Array:
 _MAX_BYTES = 2**63 - 1
 
 
-def check_output_size(d: int, leaves: Sequence[Any], fn_name: str) -> None:
+def check_output_size(
+    d: int,
+    leaves: Sequence[Any],
+    fn_name: str,
+    *,
+    arg: str | None = None,
+    what: str = "`x0`",
+) -> None:
     """Raise a `ValueError` unless an output of `d` stacked `leaves` can be built.
 
     Two limits, checked before anything is traced or allocated: the `d - 1` steps of
@@ -112,9 +119,11 @@ def check_output_size(d: int, leaves: Sequence[Any], fn_name: str) -> None:
     of the default backend's devices (all of them together, since the output may be
     sharded; the host's physical memory where a device does not report its own). A
     larger `d` would otherwise overflow an index, abort the process in XLA's shape
-    arithmetic, or exhaust memory.
+    arithmetic, or exhaust memory. The message names `arg` (default
+    `fn_name(d=...)`; a layer names its own argument) and calls the stacked
+    `leaves` `what`.
     """
-    arg = f"{fn_name}(d=...)"
+    arg = arg or f"{fn_name}(d=...)"
     counter = jax.dtypes.canonicalize_dtype(jnp.int64)
     max_d = int(jnp.iinfo(counter).max) + 1
     if d > max_d:
@@ -128,9 +137,25 @@ def check_output_size(d: int, leaves: Sequence[Any], fn_name: str) -> None:
     limit, where = _memory_limit()
     if nbytes > limit:
         msg = (
-            f"`{arg}` is too large: {d} stacked copies of `x0` ({per_step} bytes "
+            f"`{arg}` is too large: {d} stacked copies of {what} ({per_step} bytes "
             f"each) take {nbytes} bytes ({_human(nbytes)}), more than the {limit} "
             f"bytes ({_human(limit)}) {where}; got d = {d}."
+        )
+        raise ValueError(msg)
+
+
+def check_allocation(shape: tuple[int, ...], dtype: Any, arg: str, what: str) -> None:
+    """Raise a `ValueError` naming `arg` unless an array `what` of `shape` and
+    `dtype` fits in memory (the limit of `check_output_size`), before it is
+    allocated: JAX allocates asynchronously, so a layer's parameters that are too
+    large would fail only when first used."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    limit, where = _memory_limit()
+    if nbytes > limit:
+        msg = (
+            f"`{arg}` is too large: {what} of shape {shape} takes {nbytes} bytes "
+            f"({_human(nbytes)}), more than the {limit} bytes ({_human(limit)}) "
+            f"{where}."
         )
         raise ValueError(msg)
 

@@ -178,6 +178,54 @@ def test_bad_inputs_name_the_layer_argument(call, error, match):
         call()
 
 
+# Sizes too large to allocate or to index: a ValueError naming the layer's own
+# argument, before anything is allocated (JAX allocates asynchronously, so a weight
+# too large failed only when first used, with an out-of-memory error). A horizon
+# beyond the step counter's range is caught first in 32-bit mode, the memory bound
+# in 64-bit mode.
+HUGE = 10**15
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda: KrylovGraphConv(3, 4, HUGE, key=jr.key(0)),
+            r"`KrylovGraphConv\(num_hops=\.\.\.\)` is too large: the weight of shape "
+            r"\(4, 3000000000000003\)",
+        ),
+        (
+            lambda: KrylovGraphConv(1, 1, 10**7, key=jr.key(0))(
+                jnp.eye(10**4), jnp.ones((10**4, 1))
+            ),
+            r"`KrylovGraphConv\(num_hops=\.\.\.\)` is too large: 10000001 stacked "
+            r"copies of the node features `H`",
+        ),
+        (
+            lambda: LinearDynamics(3, HUGE, key=jr.key(0)),
+            r"`LinearDynamics\(horizon=\.\.\.\)` (must be at most|is too large)",
+        ),
+        (
+            lambda: LinearDynamics(10**4, 10**7, key=jr.key(0)),
+            r"`LinearDynamics\(horizon=\.\.\.\)` is too large: 10000000 stacked "
+            r"copies of the state",
+        ),
+        (
+            lambda: LinearDynamics(3, 4, key=jr.key(0))(horizon=HUGE),
+            r"`LinearDynamics\.__call__\(horizon=\.\.\.\)` (must be at most|is too "
+            r"large)",
+        ),
+        (
+            lambda: LinearDynamics(10**9, 4, key=jr.key(0)),
+            r"`LinearDynamics\(state_size=\.\.\.\)` is too large: the matrix",
+        ),
+    ],
+)
+def test_sizes_too_large_name_the_layer_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
 # --- the layer's dtype ----------------------------------------------------------
 
 

@@ -19,7 +19,14 @@ import jax.numpy as jnp
 from jax.experimental import sparse
 from jaxtyping import Array, ArrayLike, DTypeLike, Inexact, PRNGKeyArray, Shaped
 
-from .._checks import as_input, check_bcoo_matrix, check_dtype, check_size
+from .._checks import (
+    as_input,
+    check_allocation,
+    check_bcoo_matrix,
+    check_dtype,
+    check_output_size,
+    check_size,
+)
 from .._krylov import krylov
 from .._typing import StaticInt
 from ._init import uniform
@@ -189,6 +196,8 @@ class KrylovGraphConv(eqx.Module):
         )
         dtype = check_dtype(dtype, "KrylovGraphConv(dtype=...)")
         fan_in = (num_hops + 1) * f_in
+        arg = "KrylovGraphConv(num_hops=...)" if num_hops else "KrylovGraphConv"
+        check_allocation((f_out, fan_in), dtype, arg, "the weight")
         lim = 1 / math.sqrt(fan_in)
         wkey, bkey = jax.random.split(key)
         self.weight = uniform(wkey, (f_out, fan_in), dtype, lim)
@@ -246,6 +255,13 @@ class KrylovGraphConv(eqx.Module):
                 f"{H.shape}; got shape {shape}."
             )
             raise ValueError(msg)
+        check_output_size(
+            self.num_hops + 1,
+            [H],
+            "KrylovGraphConv",
+            arg="KrylovGraphConv(num_hops=...)",
+            what="the node features `H`",
+        )
         # (N, k + 1, F_in) -> (N, (k + 1) F_in): node n's row is [h_n, (A H)_n, ...].
         features = krylov(adjacency, H, self.num_hops + 1, layout="columns")
         # An explicit width, not -1, which is ambiguous for N = 0.

@@ -10,10 +10,18 @@ gradient of $K$ is one matrix product of the adjoint buffer with the stored stat
 import math
 
 import equinox as eqx
+import jax
 import jax.random as jr
 from jaxtyping import Array, ArrayLike, DTypeLike, Inexact, PRNGKeyArray, Shaped
 
-from .._checks import as_input, check_dtype, check_shape, check_size
+from .._checks import (
+    as_input,
+    check_allocation,
+    check_dtype,
+    check_output_size,
+    check_shape,
+    check_size,
+)
 from .._krylov import krylov
 from .._typing import StaticInt
 from ._init import uniform
@@ -91,6 +99,14 @@ class LinearDynamics(eqx.Module):
             )
             raise TypeError(msg)
         dtype = check_dtype(dtype, "LinearDynamics(dtype=...)")
+        check_allocation((n, n), dtype, "LinearDynamics(state_size=...)", "the matrix")
+        check_output_size(
+            d,
+            [jax.ShapeDtypeStruct((n,), dtype)],
+            "LinearDynamics",
+            arg="LinearDynamics(horizon=...)",
+            what="the state",
+        )
         tkey, xkey = jr.split(key)
         self.transition = uniform(tkey, (n, n), dtype, 1 / math.sqrt(n))
         self.x0 = jr.normal(xkey, (n,), dtype) if learn_x0 else None
@@ -149,4 +165,8 @@ class LinearDynamics(eqx.Module):
                 "LinearDynamics.__call__(x0=...)",
                 f"to match `state_size={self.state_size}`",
             )
+        arg = "LinearDynamics(horizon=...)"
+        if horizon is not None:
+            arg = "LinearDynamics.__call__(horizon=...)"
+        check_output_size(d, [x0], "LinearDynamics", arg=arg, what="the state")
         return krylov(self.transition, x0, d, layout="rows")
