@@ -44,6 +44,12 @@ MESHES = ("auto", "explicit")
 OPERANDS = ("rows", "batch")
 LAYOUTS = ("columns", "rows")
 ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
+# (operator, method, layouts, adjoints), run for every mesh and operands at (N, D).
+KINDS = (
+    ("matrix", "scan", LAYOUTS, ADJOINTS),
+    ("callable", "scan", ("columns",), ADJOINTS),
+    ("matrix", "doubling", LAYOUTS, ("custom_vjp", "autodiff")),
+)
 # Only on an explicit mesh, where the reverse pass must say how its product with A
 # is sharded: the scan with a matrix (each adjoint) and a callable, and doubling.
 SHARED_OPERANDS = ("rows_both", "block_rows", "block_columns")
@@ -58,51 +64,40 @@ SHARED_KINDS = (
 DOUBLING_PROBLEMS = (("rows", N, 32), ("batch", 64, 5))
 
 
+def _grid(mesh: str, operands_kinds: tuple[str, ...], kinds: tuple) -> list[dict]:
+    """The cases at (N, D) of every operands kind with every (operator, method,
+    layouts, adjoints) of `kinds`."""
+    return [
+        dict(
+            mesh=mesh,
+            operands=operands,
+            operator=operator,
+            method=method,
+            layout=layout,
+            adjoint=adjoint,
+            n=N,
+            d=D,
+        )
+        for operands in operands_kinds
+        for operator, method, layouts, adjoints in kinds
+        for layout in layouts
+        for adjoint in adjoints
+    ]
+
+
 def cases() -> list[dict]:
     """Every case, as the keyword arguments of `_run_case`.
 
     The scan with a matrix and with a callable, every layout and adjoint; doubling
-    with a matrix, every layout and both of its adjoints; and doubling's custom
-    reverse pass on the problems of `DOUBLING_PROBLEMS`.
+    with a matrix, every layout and both of its adjoints; on the explicit mesh the
+    `SHARED_OPERANDS` too; and doubling's custom reverse pass on the problems of
+    `DOUBLING_PROBLEMS`.
     """
     out = []
     for mesh in MESHES:
-        for operands in OPERANDS:
-            for operator, method, layouts, adjoints in (
-                ("matrix", "scan", LAYOUTS, ADJOINTS),
-                ("callable", "scan", ("columns",), ADJOINTS),
-                ("matrix", "doubling", LAYOUTS, ("custom_vjp", "autodiff")),
-            ):
-                for layout in layouts:
-                    for adjoint in adjoints:
-                        out.append(
-                            dict(
-                                mesh=mesh,
-                                operands=operands,
-                                operator=operator,
-                                method=method,
-                                layout=layout,
-                                adjoint=adjoint,
-                                n=N,
-                                d=D,
-                            )
-                        )
-        for operands in SHARED_OPERANDS if mesh == "explicit" else ():
-            for operator, method, layouts, adjoints in SHARED_KINDS:
-                for layout in layouts:
-                    for adjoint in adjoints:
-                        out.append(
-                            dict(
-                                mesh=mesh,
-                                operands=operands,
-                                operator=operator,
-                                method=method,
-                                layout=layout,
-                                adjoint=adjoint,
-                                n=N,
-                                d=D,
-                            )
-                        )
+        out += _grid(mesh, OPERANDS, KINDS)
+        if mesh == "explicit":
+            out += _grid(mesh, SHARED_OPERANDS, SHARED_KINDS)
         for operands, n, d in DOUBLING_PROBLEMS:
             out.append(
                 dict(
