@@ -319,17 +319,12 @@ def trace_funm(
     check_choice(sampler, SAMPLERS, f"{fn_name}(sampler=...)")
     _check_key(key, f"{fn_name}(key=...)")
     n, dtype = _probe_structure(A, like, fn_name)
-    if d > n:
-        msg = (
-            f"`{fn_name}(d=...)` must be at most n = {n}, the size of the probes (an "
-            f"orthonormal basis of length-{n} vectors has at most {n} of them); got "
-            f"{d}."
-        )
-        raise ValueError(msg)
-    # A callable's checks compare its output with `like`, which gives the probes'
-    # shape (it is required for a callable).
+    # A callable's output is compared with `like`, which gives the probes' shape (it
+    # is required for a callable).
     probe = jnp.zeros((n,), dtype)
-    check_problem(A, probe, d, reorthogonalize, adjoint, fn_name, vector="like")
+    check_problem(
+        A, probe, d, reorthogonalize, adjoint, fn_name, "like", "the size of the probes"
+    )
     real = jnp.finfo(dtype).dtype
     probes = _draw(key, sampler, num_probes, n, real).astype(dtype)
     arg = f"{fn_name}(f=...)"
@@ -437,7 +432,8 @@ def _divided_differences(lam: Array, values: Array, derivatives: Array) -> Array
     Taking the pair's own size alone keeps apart two small, well separated
     eigenvalues next to a large one, where $f$ changes fast (a logarithm)."""
     delta = jnp.finfo(lam.dtype).eps ** (1 / 3)
-    gap = jnp.abs(lam[:, None] - lam[None, :])
+    signed_gap = lam[:, None] - lam[None, :]
+    gap = jnp.abs(signed_gap)
     size = jnp.abs(lam)
     scale = jnp.maximum(jnp.max(size), jnp.finfo(lam.dtype).tiny)
     pair = jnp.maximum(size[:, None], size[None, :])
@@ -447,7 +443,6 @@ def _divided_differences(lam: Array, values: Array, derivatives: Array) -> Array
         magnitude[:, None] + magnitude[None, :]
     )
     close = (gap <= delta * scale) & ((gap <= delta * pair) | unresolved)
-    signed_gap = lam[:, None] - lam[None, :]
     safe_gap = jnp.where(close, jnp.ones_like(signed_gap), signed_gap)
     quotient = difference / safe_gap.astype(values.dtype)
     mean = (derivatives[:, None] + derivatives[None, :]) / 2

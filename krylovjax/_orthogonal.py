@@ -67,9 +67,11 @@ def check_problem(
     adjoint: Any,
     fn_name: str,
     vector: str = "x0",
+    length: str | None = None,
 ) -> tuple[AbstractOperator, Array, int]:
     """Check the arguments of `arnoldi` or `lanczos` (or of a function built on
-    them, whose starting vector is called `vector`); return them in internal form."""
+    them, whose starting vector is called `vector`, and whose n is `length`, by
+    default the length of `vector`); return them in internal form."""
     if not isinstance(reorthogonalize, bool | np.bool_):
         msg = (
             f"`{fn_name}(reorthogonalize=...)` must be a bool; got "
@@ -90,9 +92,9 @@ def check_problem(
     n = x0.shape[0]
     if d > n:
         msg = (
-            f"`{fn_name}(d=...)` must be at most n = {n}, the length of `{vector}` (an "
-            f"orthonormal basis of length-{n} vectors has at most {n} of them); "
-            f"got {d}."
+            f"`{fn_name}(d=...)` must be at most n = {n}, "
+            f"{length or f'the length of `{vector}`'} (an orthonormal basis of "
+            f"length-{n} vectors has at most {n} of them); got {d}."
         )
         raise ValueError(msg)
     return operator, x0, d

@@ -191,7 +191,8 @@ HUGE = 10**15
     [
         (
             lambda: KrylovGraphConv(3, 4, HUGE, key=jr.key(0)),
-            r"`KrylovGraphConv\(num_hops=\.\.\.\)` is too large: the weight of shape "
+            r"`KrylovGraphConv\(in_features=\.\.\., out_features=\.\.\., "
+            r"num_hops=\.\.\.\)` is too large: the weight of shape "
             r"\(4, 3000000000000003\)",
         ),
         (

@@ -196,7 +196,8 @@ class KrylovGraphConv(eqx.Module):
         )
         dtype = check_dtype(dtype, "KrylovGraphConv(dtype=...)")
         fan_in = (num_hops + 1) * f_in
-        arg = "KrylovGraphConv(num_hops=...)" if num_hops else "KrylovGraphConv"
+        # The weight is (out_features, (num_hops + 1) in_features).
+        arg = "KrylovGraphConv(in_features=..., out_features=..., num_hops=...)"
         check_allocation((f_out, fan_in), dtype, arg, "the weight")
         lim = 1 / math.sqrt(fan_in)
         wkey, bkey = jax.random.split(key)
