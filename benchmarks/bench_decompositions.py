@@ -29,21 +29,16 @@ for a smoke run). It prints a Markdown table and writes it with the raw numbers 
 
 import argparse
 import functools
-import json
-import pathlib
-import statistics
-import sys
+import itertools
 from pathlib import Path
 
+import _harness as h
 import jax
 import jax.numpy as jnp
 from jax.experimental import sparse
 from matfree import decomp, funm
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_krylov import compile_fn, memory, time_interleaved  # noqa: E402
-
-import krylovjax  # noqa: E402
+import krylovjax
 
 
 def dense_problem(n, dtype=jnp.float32):
@@ -168,13 +163,6 @@ def _forward(primals, f):
     return jax.jit(lambda *p: jax.jvp(f, p, tangents)[1])(*primals)
 
 
-def _relative_error(got, want):
-    return max(
-        float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)))
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-    )
-
-
 # The sizes at which forward mode and complex numbers are checked (the timed sizes
 # would only add minutes): the same matrix kind, method and re-orthogonalisation.
 PROBE_SIZES = {"dense": (40, 8), "BCOO": (400, 8)}
@@ -202,7 +190,7 @@ def capabilities(matrix, kind, reortho, make):
         except Exception as error:  # noqa: BLE001 (any failure means "no")
             found[name, "forward"] = f"no ({type(error).__name__})"
             continue
-        err = _relative_error(got, want)
+        err = h.largest_difference(got, want)
         found[name, "forward"] = "yes" if err < 1e-3 else f"no (error {err:.0e})"
     with jax.enable_x64(True):
         dtype = jnp.complex128
@@ -246,30 +234,21 @@ def compile_times(n=1000, depths=(10, 1000)):
             seconds = []
             for d in depths:
                 loss = decomposition_losses(kind, d, reortho, problem)["krylovjax"]
-                seconds.append(compile_fn(jax.grad(loss, (0, 1)), (params, x0))[1])
+                seconds.append(h.compile_timed(jax.grad(loss, (0, 1)), (params, x0))[1])
             rows.append((kind, reortho, seconds))
     return rows
 
 
-def measure(task, losses, args, config):
-    entries = []
-    for name, loss in losses.items():
-        if name == "reference":
-            continue
-        fn = jax.grad(loss, (0, 1)) if task == "grad" else jax.value_and_grad(loss)
-        compiled, compile_s = compile_fn(fn, args)
-        entries.append(
-            {"name": name, "compiled": compiled, "args": args, "compile_s": compile_s}
+def time_task(task, losses, args, timing):
+    fns = {
+        name: (
+            jax.grad(loss, (0, 1)) if task == "grad" else jax.value_and_grad(loss),
+            args,
         )
-    time_interleaved(entries, config)
-    return {
-        e["name"]: {
-            "time_s": statistics.median(e["times"]),
-            "temp_bytes": memory(e["compiled"])["temp_bytes"],
-            "compile_s": e["compile_s"],
-        }
-        for e in entries
+        for name, loss in losses.items()
+        if name != "reference"
     }
+    return h.measure(fns, **timing)
 
 
 def main():
@@ -279,96 +258,83 @@ def main():
         "--compile-only", action="store_true", help="only the compile times against d"
     )
     parser.add_argument(
-        "--out", type=pathlib.Path, default=Path(__file__).parent / "out" / "decomp"
+        "--out", type=Path, default=Path(__file__).parent / "out" / "decomp"
     )
     args = parser.parse_args()
+    h.cpu_by_default()
     if args.quick:
-        config = {"target_time_s": 0.05, "min_repeats": 3, "max_repeats": 5}
+        timing = {"target_s": 0.05, "min_rounds": 3, "max_rounds": 5}
         sizes = [("dense", 200, 20), ("BCOO", 5000, 10)]
     else:
-        config = {"target_time_s": 0.5, "min_repeats": 5, "max_repeats": 50}
+        timing = {"target_s": 0.5, "min_rounds": 5, "max_rounds": 50}
         sizes = [("dense", 2000, 100), ("BCOO", 100_000, 50)]
-    header = (
-        "| matrix | n | d | method | reortho | task | krylovjax / matfree time "
-        "| krylovjax temp | matfree temp | forward mode: krylovjax / matfree "
-        "| complex: krylovjax / matfree |"
-    )
     lines = [
         f"jax {jax.__version__}, {jax.devices()[0].platform}, float32",
         "",
-        header,
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *h.table(
+            "matrix | n | d | method | reortho | task | krylovjax / matfree time "
+            "| krylovjax temp | matfree temp | forward mode: krylovjax / matfree "
+            "| complex: krylovjax / matfree",
+            [],
+        ),
     ]
     records = []
     depths = (10, 100) if args.quick else (10, 1000)
+    compile_rows = []
+    for kind, reortho, (first, last) in compile_times(depths=depths):
+        compile_rows.append([kind, reortho, *(f"{x:.2f}" for x in (first, last))])
+        compile_rows[-1].append(f"{last / first:.2f}")
+        records.append(
+            {"compile": kind, "reortho": reortho, "depths": depths, "s": [first, last]}
+        )
     compile_lines = [
         "",
         f"Compile time of `jax.grad` (dense, n = 1000, float32) at d = {depths[0]} "
         f"and d = {depths[1]}:",
         "",
-        f"| method | reortho | d = {depths[0]} s | d = {depths[1]} s | ratio |",
-        "|---|---|---|---|---|",
+        *h.table(
+            f"method | reortho | d = {depths[0]} s | d = {depths[1]} s | ratio",
+            compile_rows,
+        ),
     ]
-    for kind, reortho, (first, last) in compile_times(depths=depths):
-        compile_lines.append(
-            f"| {kind} | {reortho} | {first:.2f} | {last:.2f} | {last / first:.2f} |"
-        )
-        records.append(
-            {"compile": kind, "reortho": reortho, "depths": depths, "s": [first, last]}
-        )
     if args.compile_only:
         print("\n".join(compile_lines))
         return
     print("\n".join(lines), flush=True)
+    tasks = (("grad", decomposition_losses), ("f(A)b value+grad", funm_losses))
     for matrix, n, d in sizes:
         problem = dense_problem(n) if matrix == "dense" else sparse_problem(n)
         params, x0 = problem[0], problem[1]
-        for kind in ("arnoldi", "lanczos"):
-            for reortho in ("full", "none"):
-                for task, make in (
-                    ("grad", decomposition_losses),
-                    ("f(A)b value+grad", funm_losses),
-                ):
-                    losses = make(kind, d, reortho, problem)
-                    result = measure(task, losses, (params, x0), config)
-                    ours, theirs = result["krylovjax"], result["matfree"]
-                    ratio = ours["time_s"] / theirs["time_s"]
-                    can = capabilities(matrix, kind, reortho, make)
-                    forward = (
-                        f"{can['krylovjax', 'forward']} / {can['matfree', 'forward']}"
-                    )
-                    cplx = (
-                        f"{can['krylovjax', 'complex']} / {can['matfree', 'complex']}"
-                    )
-                    line = (
-                        f"| {matrix} | {n} | {d} | {kind} | {reortho} | {task} "
-                        f"| {ratio:.2f} | {ours['temp_bytes'] / 2**20:.1f} MiB "
-                        f"| {theirs['temp_bytes'] / 2**20:.1f} MiB "
-                        f"| {forward} | {cplx} |"
-                    )
-                    print(line, flush=True)
-                    lines.append(line)
-                    records.append(
-                        {
-                            "matrix": matrix,
-                            "n": n,
-                            "d": d,
-                            "method": kind,
-                            "reortho": reortho,
-                            "task": task,
-                            **{f"{m}_{w}": v for (m, w), v in can.items()},
-                            **{
-                                f"{k}_{m}": v
-                                for k, r in result.items()
-                                for m, v in r.items()
-                            },
-                        }
-                    )
+        for kind, reortho, (task, make) in itertools.product(
+            ("arnoldi", "lanczos"), ("full", "none"), tasks
+        ):
+            result = time_task(
+                task, make(kind, d, reortho, problem), (params, x0), timing
+            )
+            ours, theirs = result["krylovjax"], result["matfree"]
+            can = capabilities(matrix, kind, reortho, make)
+            line = h.row(
+                [matrix, n, d, kind, reortho, task]
+                + [f"{ours['median_s'] / theirs['median_s']:.2f}"]
+                + [f"{r['temp_bytes'] / 2**20:.1f} MiB" for r in (ours, theirs)]
+                + [
+                    f"{can['krylovjax', w]} / {can['matfree', w]}"
+                    for w in ("forward", "complex")
+                ]
+            )
+            print(line, flush=True)
+            lines.append(line)
+            record = {"matrix": matrix, "n": n, "d": d, "method": kind}
+            record.update(reortho=reortho, task=task)
+            record.update({f"{m}_{w}": v for (m, w), v in can.items()})
+            for name, r in result.items():
+                record[f"{name}_time_s"] = r["median_s"]
+                record.update(
+                    {f"{name}_{k}": r[k] for k in ("temp_bytes", "compile_s")}
+                )
+            records.append(record)
     print("\n".join(compile_lines))
-    lines += compile_lines
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    (args.out / "results.json").write_text(json.dumps(records, indent=2))
+    h.write_results(args.out, records, "\n".join(lines + compile_lines) + "\n")
     print(f"\nwritten to {args.out}")
 
 

@@ -1,54 +1,38 @@
 """Benchmark `krylovjax.krylov` against the ways a user would otherwise write it.
 
-Four ways of building the Krylov matrix X = [x0, A x0, ..., A^(d-1) x0] of shape
-(n, d) are compared, all jitted, on the CPU in float32:
+Five ways of building the Krylov matrix X = [x0, A x0, ..., A^(d-1) x0] of shape
+(n, d), all jitted, on the CPU in float32 (`benchmarks/README.md` has the details):
+`krylovjax` (`krylov(A, x0, d)`, its defaults), `kj_vjp` (the same reverse pass as a
+`jax.custom_vjp`), `scan` (a plain `lax.scan`, differentiated by JAX), `unrolled` (a
+Python loop, stacked) and `concat` (a Python loop growing X by concatenation). For
+the forward pass and for `jax.grad` of `sum(X * W)` with respect to `A` and `x0`:
+run time (side by side, interleaved), compile time and XLA's compiled memory; also
+a block x0, every form of loss, the default against `method="doubling"`, and the
+compile time against d.
 
-- `krylovjax`: `krylovjax.krylov(A, x0, d)` with its defaults (the scan, and the
-  rule that serves forward and reverse mode, whose reverse pass is the chunked
-  hand-written adjoint);
-- `kj_vjp`: the same reverse pass as a `jax.custom_vjp` (`adjoint="custom_vjp"`);
-- `scan`: a plain `lax.scan` that returns the stacked vectors, `x0` concatenated in
-  front, differentiated by JAX's own rules;
-- `unrolled`: a Python loop over `d - 1` products, `jnp.stack`-ed at the end;
-- `concat`: a Python loop that grows the matrix by `jnp.concatenate` of one column
-  per step.
+Run `python benchmarks/bench_krylov.py` (a few minutes on 2 cores) or `--quick` (a
+smoke run, under a minute). Results go to `--out` (default `benchmarks/out/krylov`,
+git-ignored): `results.json`, `results.md` and `grad_time_memory_vs_d.png`.
 
-For each method and size (n, d) the script measures, for the forward pass and for
-`jax.grad` of `loss(A, x0) = sum(X * W)` (a fixed random `W`; gradient with respect
-to both `A` and `x0`): the run time (median over interleaved rounds after a warm-up
-call, each call ended by `block_until_ready`), the compile time (wall time of
-`lower` + `compile`) and XLA's compiled memory (`memory_analysis()`: temporaries,
-outputs, arguments).
-
-Run `python benchmarks/bench_krylov.py` (a few minutes on 2 cores) or
-`python benchmarks/bench_krylov.py --quick` (a smoke run, under 30 s). Results
-go to `--out` (default `benchmarks/out/krylov`, git-ignored): `results.json` (every
-raw number and the machine), `results.md` (tables of ratios) and
-`grad_time_memory_vs_d.png`.
-The machine may be shared and noisy: read the ratios, measured side by side in one
-run, rather than the absolute times.
+`--against REF` instead times the package at git revision REF (`git archive`, see
+`_harness.import_at`) against the working tree's, forward and `grad` side by side in
+the same rounds, and writes `against.json` and `against.md`: the ratios new / old of
+the median times and of the fastest rounds (with `--against HEAD`, the noise of the
+measurement) and the largest difference between the two implementations' results.
 """
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import _harness as h
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import sparse as jsparse
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.experimental import sparse as jsparse  # noqa: E402
-
-import krylovjax  # noqa: E402
+import krylovjax
 
 METHODS = ("krylovjax", "kj_vjp", "scan", "unrolled", "concat")
 # The unrolled loop and concatenate growth trace d separate operations, and XLA's
@@ -58,6 +42,10 @@ METHODS = ("krylovjax", "kj_vjp", "scan", "unrolled", "concat")
 # skipped.
 PEER_MAX_D = {"unrolled": 200, "concat": 100}
 SKIPPED = "skipped (d too large to compile in reasonable time)"
+KINDS = ("forward", "grad")
+# `--against`: the largest relative difference between the results of the old and
+# the new code that counts as agreeing (float32, rounding changed by a refactor).
+AGREE = 1e-4
 
 FULL = {
     "sizes": [(3, 10), (64, 50), (512, 200), (32, 5000), (1024, 100)],
@@ -66,9 +54,7 @@ FULL = {
     "compile_repeats": 3,
     "plot_n": 64,
     "plot_ds": [10, 20, 50, 100, 200, 500, 1000, 2000],
-    "target_time_s": 0.3,
-    "min_repeats": 5,
-    "max_repeats": 200,
+    "timing": {"target_s": 0.3, "min_rounds": 5, "max_rounds": 200},
     "block_sizes": [(64, 1024, 8), (256, 1024, 8)],
     # (n, d, b, kind of A): dense at the three sizes of the time target, a dense size
     # whose gradient adds one step at a time, BCOO and a callable (a closure over a
@@ -90,9 +76,7 @@ QUICK = {
     "compile_repeats": 1,
     "plot_n": 16,
     "plot_ds": [10, 20],
-    "target_time_s": 0.02,
-    "min_repeats": 3,
-    "max_repeats": 10,
+    "timing": {"target_s": 0.02, "min_rounds": 3, "max_rounds": 10},
     "block_sizes": [(16, 20, 4)],
     "loss_sizes": [
         (16, 100, None, "dense"),
@@ -107,15 +91,9 @@ QUICK = {
 # of shape (n, b).
 
 
-def krylov_krylovjax(A, x0, d):
-    return krylovjax.krylov(A, x0, d)
-
-
-def krylov_kj_vjp(A, x0, d):
-    return krylovjax.krylov(A, x0, d, adjoint="custom_vjp")
-
-
 def krylov_scan(A, x0, d):
+    """Plain autodiff's version: a `lax.scan` of `d - 1` products, `x0` in front."""
+
     def step(x, _):
         y = A(x) if callable(A) else A @ x
         return y, y
@@ -139,17 +117,16 @@ def krylov_concat(A, x0, d):
 
 
 BUILDERS: dict[str, Callable] = {
-    "krylovjax": krylov_krylovjax,
-    "kj_vjp": krylov_kj_vjp,
+    "krylovjax": lambda A, x0, d: krylovjax.krylov(A, x0, d),
+    "kj_vjp": lambda A, x0, d: krylovjax.krylov(A, x0, d, adjoint="custom_vjp"),
     "scan": krylov_scan,
     "unrolled": krylov_unrolled,
     "concat": krylov_concat,
 }
 
 
-def make_functions(method: str, d: int) -> tuple[Callable, Callable]:
+def make_functions(build: Callable, d: int) -> tuple[Callable, Callable]:
     """Fresh (forward, grad) functions, so that no trace or compile cache is hit."""
-    build = BUILDERS[method]
 
     def forward(A, x0):
         return build(A, x0, d)
@@ -157,8 +134,7 @@ def make_functions(method: str, d: int) -> tuple[Callable, Callable]:
     def loss(A, x0, W):
         return jnp.sum(build(A, x0, d) * W)
 
-    grad = jax.grad(loss, argnums=(0, 1))
-    return forward, grad
+    return forward, jax.grad(loss, argnums=(0, 1))
 
 
 def problem(n: int, d: int, b: int | None = None, seed: int = 0):
@@ -173,110 +149,30 @@ def problem(n: int, d: int, b: int | None = None, seed: int = 0):
     return A, x0, W
 
 
-def compile_fn(fn: Callable, args) -> tuple[object, float]:
-    start = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    return compiled, time.perf_counter() - start
-
-
-def memory(compiled) -> dict[str, int | None]:
-    analysis = compiled.memory_analysis()
-    if analysis is None:
-        return {"temp_bytes": None, "output_bytes": None, "argument_bytes": None}
-    return {
-        "temp_bytes": int(analysis.temp_size_in_bytes),
-        "output_bytes": int(analysis.output_size_in_bytes),
-        "argument_bytes": int(analysis.argument_size_in_bytes),
-    }
-
-
-def call_time(compiled, args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    return time.perf_counter() - start
-
-
-def time_interleaved(entries: list[dict], config) -> None:
-    """Time every compiled function of one size in interleaved rounds.
-
-    Each round calls every function `inner` times (its own `inner`, so that one
-    batch takes about a millisecond or more) and records the mean time per call.
-    Interleaving means that a burst of load from elsewhere on the machine hits all
-    methods alike, so the ratios between them stay meaningful.
-    """
-    for e in entries:
-        call_time(e["compiled"], e["args"])  # warm-up
-        once = min(call_time(e["compiled"], e["args"]) for _ in range(3))
-        e["inner"] = max(1, min(100, int(1e-3 / max(once, 1e-7))))
-        e["times"] = []
-        e["once"] = once
-    per_round = sum(e["once"] * e["inner"] for e in entries)
-    rounds = int(config["target_time_s"] * len(entries) / max(per_round, 1e-7))
-    rounds = min(max(rounds, config["min_repeats"]), config["max_repeats"])
-    for _ in range(rounds):
-        for e in entries:
-            total = sum(call_time(e["compiled"], e["args"]) for _ in range(e["inner"]))
-            e["times"].append(total / e["inner"])
-
-
-def measure_size(
-    methods: list[str], n: int, d: int, config, b: int | None = None
-) -> dict[str, dict]:
+def measure_size(methods, n, d, timing, b=None) -> dict[str, dict]:
+    """Every method's forward and grad at one size, all timed side by side."""
     A, x0, W = problem(n, d, b)
-    results, entries = {}, []
+    fns = {}
     for method in methods:
-        forward, grad = make_functions(method, d)
-        result = {"method": method, "n": n, "d": d, "b": b}
-        for name, fn, args in (
-            ("forward", forward, (A, x0)),
-            ("grad", grad, (A, x0, W)),
-        ):
-            compiled, compile_s = compile_fn(fn, args)
-            result[name] = {"compile_s": compile_s, **memory(compiled)}
-            result[name]["output"] = jax.tree.map(np.asarray, compiled(*args))
-            entries.append({"compiled": compiled, "args": args, "into": result[name]})
-        results[method] = result
-    time_interleaved(entries, config)
-    for e in entries:
-        e["into"].update(
-            median_s=statistics.median(e["times"]),
-            min_s=min(e["times"]),
-            rounds=len(e["times"]),
-            calls_per_round=e["inner"],
-        )
-    return results
+        forward, grad = make_functions(BUILDERS[method], d)
+        fns[method, "forward"] = (forward, (A, x0))
+        fns[method, "grad"] = (grad, (A, x0, W))
+    got = h.measure(fns, outputs=True, **timing)
+    size = {"n": n, "d": d, "b": b}
+    return {m: {"method": m, **size, **{k: got[m, k] for k in KINDS}} for m in methods}
 
 
 def check_agreement(results: list[dict], tag: str = "") -> dict[str, float]:
     """Largest relative difference of each method's outputs from plain `scan`'s."""
-    ref = {
-        (r["n"], r["d"]): r
+    ref = {(r["n"], r["d"]): r for r in results if r["method"] == "scan"}
+    return {
+        f"{r['method']} n={r['n']} d={r['d']}{tag}": max(
+            h.largest_difference(r[k]["output"], ref[r["n"], r["d"]][k]["output"])
+            for k in KINDS
+        )
         for r in results
-        if r["method"] == "scan" and "skipped" not in r
+        if "skipped" not in r and r["method"] != "scan" and (r["n"], r["d"]) in ref
     }
-    errors = {}
-    for r in results:
-        base = ref.get((r["n"], r["d"]))
-        if base is None or r["method"] == "scan" or "skipped" in r:
-            continue
-        worst = 0.0
-        for name in ("forward", "grad"):
-            for a, b in zip(
-                jax.tree.leaves(r[name]["output"]),
-                jax.tree.leaves(base[name]["output"]),
-                strict=True,
-            ):
-                scale = max(float(np.max(np.abs(b))), 1e-30)
-                worst = max(worst, float(np.max(np.abs(a - b))) / scale)
-        errors[f"{r['method']} n={r['n']} d={r['d']}{tag}"] = worst
-    return errors
-
-
-def strip_outputs(results: list[dict]) -> list[dict]:
-    for r in results:
-        for name in ("forward", "grad"):
-            r[name].pop("output", None)
-    return results
 
 
 def run_sizes(sizes, config, cache, log) -> list[dict]:
@@ -284,8 +180,8 @@ def run_sizes(sizes, config, cache, log) -> list[dict]:
     for n, d in sizes:
         methods = [m for m in METHODS if d <= PEER_MAX_D.get(m, d)]
         if (methods[0], n, d) not in cache:
-            for method, r in measure_size(methods, n, d, config).items():
-                cache[(method, n, d)] = r
+            for method, r in measure_size(methods, n, d, config["timing"]).items():
+                cache[method, n, d] = r
                 log(
                     f"  {method:>9} n={n:<5} d={d:<5} "
                     f"fwd {r['forward']['median_s'] * 1e3:9.3f} ms  "
@@ -293,10 +189,8 @@ def run_sizes(sizes, config, cache, log) -> list[dict]:
                     f"compile grad {r['grad']['compile_s']:6.2f} s"
                 )
         for method in METHODS:
-            if method in methods:
-                results.append(cache[(method, n, d)])
-            else:
-                results.append({"method": method, "n": n, "d": d, "skipped": SKIPPED})
+            skipped = {"method": method, "n": n, "d": d, "skipped": SKIPPED}
+            results.append(cache.get((method, n, d), skipped))
     return results
 
 
@@ -305,7 +199,7 @@ def run_block_sizes(sizes, config, log) -> list[dict]:
     results = []
     for n, d, b in sizes:
         methods = ["krylovjax", "kj_vjp", "scan"]
-        for method, r in measure_size(methods, n, d, config, b).items():
+        for method, r in measure_size(methods, n, d, config["timing"], b).items():
             results.append(r)
             log(
                 f"  {method:>9} n={n:<5} d={d:<5} b={b:<3} "
@@ -355,26 +249,25 @@ def run_losses(sizes, config, log) -> list[dict]:
         A, x0, W = problem(n, d, b)
         make, A = loss_operator(kind, A)
         for loss_name, loss in LOSSES.items():
-            entries = []
-            row = {"n": n, "d": d, "b": b, "kind": kind, "loss": loss_name}
+            fns = {}
             for method in ("krylovjax", "scan"):
-                build = BUILDERS[method]
 
-                def f(A, x0, W, build=build, loss=loss, d=d, make=make):
+                def f(A, x0, W, build=BUILDERS[method], loss=loss, d=d, make=make):
                     return loss(build(make(A), x0, d), W)
 
-                compiled, _ = compile_fn(jax.grad(f, argnums=(0, 1)), (A, x0, W))
-                row[method] = memory(compiled)["temp_bytes"]
-                entries.append({"compiled": compiled, "args": (A, x0, W), "into": {}})
-            time_interleaved(entries, config)
-            row["time_ratio"] = statistics.median(
-                entries[0]["times"]
-            ) / statistics.median(entries[1]["times"])
-            vector = 4 * n * (b or 1)
-            row["extra_vectors"] = (row["krylovjax"] - row["scan"]) / vector
+                fns[method] = (jax.grad(f, argnums=(0, 1)), (A, x0, W))
+            got = h.measure(fns, **config["timing"])
+            kj, sc = got["krylovjax"]["temp_bytes"], got["scan"]["temp_bytes"]
+            row = {"n": n, "d": d, "b": b, "kind": kind, "loss": loss_name}
+            row.update(
+                krylovjax=kj,
+                scan=sc,
+                time_ratio=got["krylovjax"]["median_s"] / got["scan"]["median_s"],
+                extra_vectors=(kj - sc) / (4 * n * (b or 1)),
+            )
             log(
                 f"  {loss_name:>16} {kind:>8} n={n:<4} d={d:<5} b={b} temp "
-                f"{row['krylovjax'] / 1024:.0f} vs {row['scan'] / 1024:.0f} KiB "
+                f"{kj / 1024:.0f} vs {sc / 1024:.0f} KiB "
                 f"({row['extra_vectors']:+.0f} vectors), "
                 f"time ratio {row['time_ratio']:.2f}"
             )
@@ -387,16 +280,15 @@ def run_doubling(sizes, config, log) -> list[dict]:
     results = []
     for n, d in sizes:
         A, x0, W = problem(n, d)
-        entries = []
+        fns = {}
         for method in ("scan", "doubling"):
 
             def f(A, x0, W, method=method, d=d):
                 return jnp.sum(krylovjax.krylov(A, x0, d, method=method) * W)
 
-            compiled, _ = compile_fn(jax.value_and_grad(f, argnums=(0, 1)), (A, x0, W))
-            entries.append({"compiled": compiled, "args": (A, x0, W), "into": {}})
-        time_interleaved(entries, config)
-        scan_s, doubling_s = (statistics.median(e["times"]) for e in entries)
+            fns[method] = (jax.value_and_grad(f, argnums=(0, 1)), (A, x0, W))
+        got = h.measure(fns, **config["timing"])
+        scan_s, doubling_s = got["scan"]["median_s"], got["doubling"]["median_s"]
         results.append({"n": n, "d": d, "scan_s": scan_s, "doubling_s": doubling_s})
         log(f"  n={n} d={d} value+grad: scan / doubling {scan_s / doubling_s:.2f}")
     return results
@@ -406,76 +298,42 @@ def grad_compile_time(method: str, n: int, d: int, repeats: int) -> dict:
     A, x0, W = problem(n, d)
     times, temp = [], None
     for _ in range(repeats):
-        _, grad = make_functions(method, d)
-        compiled, seconds = compile_fn(grad, (A, x0, W))
+        _, grad = make_functions(BUILDERS[method], d)
+        compiled, seconds = h.compile_timed(grad, (A, x0, W))
         times.append(seconds)
-        temp = memory(compiled)["temp_bytes"]
-    return {
-        "method": method,
-        "n": n,
-        "d": d,
-        "compile_s": statistics.median(times),
-        "compile_all_s": times,
-        "temp_bytes": temp,
-    }
-
-
-def machine_info() -> dict:
-    device = jax.devices()[0]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return {
-        "jax": jax.__version__,
-        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
-        "krylovjax": krylovjax.__version__,
-        "git_commit": commit,
-        "backend": jax.default_backend(),
-        "device": str(device),
-        "device_kind": device.device_kind,
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "dtype": "float32",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+        temp = h.memory(compiled)["temp_bytes"]
+    point = {"method": method, "n": n, "d": d, "compile_s": statistics.median(times)}
+    return point | {"compile_all_s": times, "temp_bytes": temp}
 
 
 # Reporting.
 
 
-def _ratio(a, b):
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def _fmt(x, spec=".2f"):
-    return "-" if x is None else format(x, spec)
-
-
-def _ms(x):
-    return "-" if x is None else f"{x * 1e3:.3g}"
-
-
-def _kib(x):
-    return "-" if x is None else f"{x / 1024:.1f}"
-
-
 def markdown(report: dict) -> str:
+    m, config = report["machine"], report["config"]
+    by_key = {
+        (r["method"], r["n"], r["d"]): r for r in report["sizes"] if "skipped" not in r
+    }
+
+    def get(method, n, d, name, field="median_s"):
+        r = by_key.get((method, n, d))
+        return None if r is None else r[name][field]
+
+    rows = []
+    for n, d in config["sizes"]:
+        kj, sc = (get(x, n, d, "grad") for x in ("krylovjax", "scan"))
+        kj_m, sc_m = (get(x, n, d, "grad", "temp_bytes") for x in ("krylovjax", "scan"))
+        pairs = [(kj, sc), (kj, get("krylovjax", n, d, "forward"))]
+        pairs += [(sc, get("scan", n, d, "forward")), (kj_m, sc_m)]
+        pairs += [(kj, get(x, n, d, "grad")) for x in ("unrolled", "concat")]
+        pairs += [(get("kj_vjp", n, d, "grad"), sc)]
+        pairs += [(get("kj_vjp", n, d, "grad", "temp_bytes"), sc_m)]
+        rows.append([n, d, *(h.fmt(h.ratio(a, b)) for a, b in pairs)])
     lines = [
         "# krylovjax benchmark",
         "",
-        f"Machine: {report['machine']['device']} ({report['machine']['backend']}), "
-        f"{report['machine']['cpu_count']} CPUs, jax {report['machine']['jax']}, "
-        f"float32, commit `{report['machine']['git_commit']}`. "
+        f"Machine: {m['device']} ({m['backend']}), {m['cpu_count']} CPUs, jax "
+        f"{m['versions']['jax']}, float32, commit `{m['git_commit']}`. "
         f"Mode: {report['mode']}; total run time {report['total_s']:.0f} s.",
         "",
         "Loss: `sum(X * W)`, gradient with respect to `A` and `x0`. Times are medians "
@@ -483,59 +341,37 @@ def markdown(report: dict) -> str:
         "",
         "## Ratios (measured side by side)",
         "",
-        "| n | d | kj grad / scan grad | kj grad / kj fwd | scan grad / scan fwd "
-        "| kj grad temp / scan grad temp | kj grad / unrolled grad "
-        "| kj grad / concat grad | kj_vjp grad / scan grad "
-        "| kj_vjp grad temp / scan grad temp |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    by_key = {
-        (r["method"], r["n"], r["d"]): r for r in report["sizes"] if "skipped" not in r
-    }
-
-    def get(method, n, d, name, field):
-        r = by_key.get((method, n, d))
-        return None if r is None else r[name][field]
-
-    for n, d in report["config"]["sizes"]:
-        kj_g = get("krylovjax", n, d, "grad", "median_s")
-        kj_f = get("krylovjax", n, d, "forward", "median_s")
-        sc_g = get("scan", n, d, "grad", "median_s")
-        sc_f = get("scan", n, d, "forward", "median_s")
-        un_g = get("unrolled", n, d, "grad", "median_s")
-        co_g = get("concat", n, d, "grad", "median_s")
-        kj_m = get("krylovjax", n, d, "grad", "temp_bytes")
-        sc_m = get("scan", n, d, "grad", "temp_bytes")
-        jv_g = get("kj_vjp", n, d, "grad", "median_s")
-        jv_m = get("kj_vjp", n, d, "grad", "temp_bytes")
-        lines.append(
-            f"| {n} | {d} | {_fmt(_ratio(kj_g, sc_g))} | {_fmt(_ratio(kj_g, kj_f))} "
-            f"| {_fmt(_ratio(sc_g, sc_f))} | {_fmt(_ratio(kj_m, sc_m))} "
-            f"| {_fmt(_ratio(kj_g, un_g))} | {_fmt(_ratio(kj_g, co_g))} "
-            f"| {_fmt(_ratio(jv_g, sc_g))} | {_fmt(_ratio(jv_m, sc_m))} |"
-        )
-    lines += [
+        *h.table(
+            "n | d | kj grad / scan grad | kj grad / kj fwd | scan grad / scan fwd "
+            "| kj grad temp / scan grad temp | kj grad / unrolled grad "
+            "| kj grad / concat grad | kj_vjp grad / scan grad "
+            "| kj_vjp grad temp / scan grad temp",
+            rows,
+        ),
         "",
         "## Block x0",
         "",
         "`x0` of shape `(n, b)`, `X` of shape `(n, d, b)`; unrolled and concat are "
         "not run at these depths.",
         "",
-        "| n | d | b | kj grad / scan grad | kj grad temp / scan grad temp "
-        "| kj_vjp grad / scan grad | kj grad ms | scan grad ms |",
-        "|---|---|---|---|---|---|---|---|",
     ]
     blocks = {(r["method"], r["n"], r["d"], r["b"]): r for r in report["blocks"]}
-    for n, d, b in report["config"]["block_sizes"]:
+    rows = []
+    for n, d, b in config["block_sizes"]:
         kj, sc, jv = (
-            blocks[(m, n, d, b)]["grad"] for m in ("krylovjax", "scan", "kj_vjp")
+            blocks[x, n, d, b]["grad"] for x in ("krylovjax", "scan", "kj_vjp")
         )
-        lines.append(
-            f"| {n} | {d} | {b} | {_fmt(_ratio(kj['median_s'], sc['median_s']))} "
-            f"| {_fmt(_ratio(kj['temp_bytes'], sc['temp_bytes']))} "
-            f"| {_fmt(_ratio(jv['median_s'], sc['median_s']))} "
-            f"| {_ms(kj['median_s'])} | {_ms(sc['median_s'])} |"
+        rows.append(
+            [n, d, b, h.fmt(h.ratio(kj["median_s"], sc["median_s"]))]
+            + [h.fmt(h.ratio(kj["temp_bytes"], sc["temp_bytes"]))]
+            + [h.fmt(h.ratio(jv["median_s"], sc["median_s"]))]
+            + [h.ms(kj["median_s"]), h.ms(sc["median_s"])]
         )
+    lines += h.table(
+        "n | d | b | kj grad / scan grad | kj grad temp / scan grad temp "
+        "| kj_vjp grad / scan grad | kj grad ms | scan grad ms",
+        rows,
+    )
     lines += [
         "",
         "## Every form of loss",
@@ -545,18 +381,20 @@ def markdown(report: dict) -> str:
         "`lax.scan`, the difference in vectors of `x0`'s size (the target: at most "
         "64), and the time ratio.",
         "",
-        "| A | n | d | b | loss | kj temp KiB | scan temp KiB | extra vectors "
-        "| temp ratio | time ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["losses"]:
-        lines.append(
-            f"| {r['kind']} | {r['n']} | {r['d']} | {r['b'] or '-'} | {r['loss']} "
-            f"| {_kib(r['krylovjax'])} | {_kib(r['scan'])} "
-            f"| {r['extra_vectors']:+.0f} "
-            f"| {_fmt(_ratio(r['krylovjax'], r['scan']))} | {_fmt(r['time_ratio'])} |"
-        )
-    lines += [
+        *h.table(
+            "A | n | d | b | loss | kj temp KiB | scan temp KiB | extra vectors "
+            "| temp ratio | time ratio",
+            [
+                [r["kind"], r["n"], r["d"], r["b"] or "-", r["loss"]]
+                + [
+                    h.kib(r["krylovjax"]),
+                    h.kib(r["scan"]),
+                    f"{r['extra_vectors']:+.0f}",
+                ]
+                + [h.fmt(h.ratio(r["krylovjax"], r["scan"])), h.fmt(r["time_ratio"])]
+                for r in report["losses"]
+            ],
+        ),
         "",
         "## What the default gives up against doubling",
         "",
@@ -564,16 +402,27 @@ def markdown(report: dict) -> str:
         'not. `method="doubling"` (opt-in) is faster at long d and small n; value '
         "and gradient of `sum(X * W)`:",
         "",
-        "| n | d | scan ms | doubling ms | scan / doubling |",
-        "|---|---|---|---|---|",
+        *h.table(
+            "n | d | scan ms | doubling ms | scan / doubling",
+            [
+                [r["n"], r["d"], h.ms(r["scan_s"]), h.ms(r["doubling_s"])]
+                + [h.fmt(h.ratio(r["scan_s"], r["doubling_s"]))]
+                for r in report["doubling"]
+            ],
+        ),
     ]
-    for r in report["doubling"]:
-        lines.append(
-            f"| {r['n']} | {r['d']} | {_ms(r['scan_s'])} | {_ms(r['doubling_s'])} "
-            f"| {_fmt(_ratio(r['scan_s'], r['doubling_s']))} |"
-        )
     scaling = report["compile_scaling"]
     lo, hi = scaling["points"]
+    rows = []
+    for r in report["sizes"]:
+        f, g = r.get("forward"), r.get("grad")
+        rows.append(
+            [r["method"], r["n"], r["d"], r["skipped"], *[""] * 6]
+            if "skipped" in r
+            else [r["method"], r["n"], r["d"], h.ms(f["median_s"]), h.ms(g["median_s"])]
+            + [f"{f['compile_s']:.3f}", f"{g['compile_s']:.3f}"]
+            + [h.kib(f["temp_bytes"]), h.kib(g["temp_bytes"]), h.kib(g["output_bytes"])]
+        )
     lines += [
         "",
         f"Compile time of krylovjax `grad` (n = {lo['n']}, median of "
@@ -584,47 +433,29 @@ def markdown(report: dict) -> str:
         "",
         "Times in ms (median), compile in s, memory in KiB (temp / output).",
         "",
-        "| method | n | d | fwd ms | grad ms | fwd compile s | grad compile s "
-        "| fwd temp KiB | grad temp KiB | grad output KiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["sizes"]:
-        if "skipped" in r:
-            lines.append(
-                f"| {r['method']} | {r['n']} | {r['d']} | {r['skipped']} | | | | | | |"
-            )
-            continue
-        f, g = r["forward"], r["grad"]
-        lines.append(
-            f"| {r['method']} | {r['n']} | {r['d']} | {_ms(f['median_s'])} "
-            f"| {_ms(g['median_s'])} | {f['compile_s']:.3f} | {g['compile_s']:.3f} "
-            f"| {_kib(f['temp_bytes'])} | {_kib(g['temp_bytes'])} "
-            f"| {_kib(g['output_bytes'])} |"
-        )
-    lines += [
+        *h.table(
+            "method | n | d | fwd ms | grad ms | fwd compile s | grad compile s "
+            "| fwd temp KiB | grad temp KiB | grad output KiB",
+            rows,
+        ),
         "",
-        "## Against d at fixed n "
-        f"(n = {report['config']['plot_n']}; the data of the figure)",
+        f"## Against d at fixed n (n = {config['plot_n']}; the data of the figure)",
         "",
         "Compile time of `grad` in s; `grad` time in ms; `grad` temporary memory in "
         "KiB. `-`: skipped (d too large to compile in reasonable time).",
         "",
-        "| d | "
-        + " | ".join(f"{m} compile s" for m in METHODS)
-        + " | "
-        + " | ".join(f"{m} grad ms" for m in METHODS)
-        + " | "
-        + " | ".join(f"{m} temp KiB" for m in METHODS)
-        + " |",
-        "|---|" + "---|" * (3 * len(METHODS)),
     ]
-    grid = {(r["method"], r["d"]): r for r in report["plot"] if "skipped" not in r}
-    for d in report["config"]["plot_ds"]:
-        rows = [grid.get((m, d)) for m in METHODS]
-        cells = [_fmt(r and r["grad"]["compile_s"], ".3f") for r in rows]
-        cells += [_ms(r and r["grad"]["median_s"]) for r in rows]
-        cells += [_kib(r and r["grad"]["temp_bytes"]) for r in rows]
-        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    grid = {(r["method"], r["d"]): r["grad"] for r in report["plot"] if "grad" in r}
+    rows = []
+    for d in config["plot_ds"]:
+        gs = [grid.get((x, d), {}) for x in METHODS]
+        rows.append(
+            [d, *(h.fmt(g.get("compile_s"), ".3f") for g in gs)]
+            + [h.ms(g.get("median_s")) for g in gs]
+            + [h.kib(g.get("temp_bytes")) for g in gs]
+        )
+    columns = ["compile s", "grad ms", "temp KiB"]
+    lines += h.table(["d", *(f"{x} {c}" for c in columns for x in METHODS)], rows)
     lines += [
         "",
         "## Agreement",
@@ -642,35 +473,126 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = report["config"]["plot_n"]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for method in METHODS:
         rows = sorted(
             (r for r in report["plot"] if r["method"] == method and "skipped" not in r),
             key=lambda r: r["d"],
         )
-        if not rows:
-            continue
         ds = [r["d"] for r in rows]
-        ax_t.plot(ds, [r["grad"]["median_s"] * 1e3 for r in rows], "o-", label=method)
-        ax_m.plot(
-            ds, [r["grad"]["temp_bytes"] / 1024 for r in rows], "o-", label=method
-        )
-    for ax, ylabel in ((ax_t, "grad time [ms]"), (ax_m, "grad temp memory [KiB]")):
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("d")
-        ax.set_ylabel(ylabel)
+        fields = (("median_s", 1e3), ("temp_bytes", 1 / 1024))
+        for ax, (field, scale) in zip(axes, fields, strict=True):
+            if ds:
+                ys = [r["grad"][field] * scale for r in rows]
+                ax.plot(ds, ys, "o-", label=method)
+    for ax, ylabel in zip(
+        axes, ("grad time [ms]", "grad temp memory [KiB]"), strict=True
+    ):
+        ax.set(xscale="log", yscale="log", xlabel="d", ylabel=ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.suptitle(
-        f"jax.grad of sum(X * W), n = {n}, float32 CPU "
+        f"jax.grad of sum(X * W), n = {report['config']['plot_n']}, float32 CPU "
         f"(unrolled up to d = {PEER_MAX_D['unrolled']}, "
         f"concat up to d = {PEER_MAX_D['concat']})"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# The package at another revision against the working tree's.
+
+
+def run_against(ref: str, old, config: dict, log) -> dict:
+    """Forward and `grad` of `krylov` at `ref` (the module `old`) and in the working
+    tree, all four timed side by side in the same rounds, at the sizes of `config`:
+    the vector sizes and the block sizes with the default method, the doubling
+    sizes with `method="doubling"`. The timing is the full run's (about 0.3 s per
+    function) even for the quick sizes, which cost little and would be noisy
+    otherwise."""
+    log(f"against {old.__name__} ({Path(old.__file__).parent})")
+    cases = [(n, d, None, "scan") for n, d in config["sizes"]]
+    cases += [(n, d, b, "scan") for n, d, b in config["block_sizes"]]
+    cases += [(n, d, None, "doubling") for n, d in config["doubling_sizes"]]
+    rows = []
+    for n, d, b, method in cases:
+        A, x0, W = problem(n, d, b)
+        fns = {}
+        for tag, lib in (("new", krylovjax), ("old", old)):
+            forward, grad = make_functions(
+                lambda A, x0, d, lib=lib, m=method: lib.krylov(A, x0, d, method=m), d
+            )
+            fns[tag, "forward"] = (forward, (A, x0))
+            fns[tag, "grad"] = (grad, (A, x0, W))
+        got = h.measure(fns, outputs=True, shared_batch=True, **FULL["timing"])
+        row = {"n": n, "d": d, "b": b, "method": method}
+        for k in KINDS:
+            new, old_ = got["new", k], got["old", k]
+            row[k] = {"new_s": new["median_s"], "old_s": old_["median_s"]}
+            row[k]["new_over_old"] = new["median_s"] / old_["median_s"]
+            row[k]["min_new_over_old"] = new["min_s"] / old_["min_s"]
+            row[k]["difference"] = h.largest_difference(new["output"], old_["output"])
+        row["agree"] = max(row[k]["difference"] for k in KINDS) <= AGREE
+        rows.append(row)
+        log(
+            f"  {method:>8} n={n:<5} d={d:<5} b={b}: new / old forward "
+            f"{row['forward']['new_over_old']:.3f}, "
+            f"grad {row['grad']['new_over_old']:.3f}"
+            + ("" if row["agree"] else f"; the results DIFFER by more than {AGREE:g}")
+        )
+    return {"ref": ref, "old": old.__name__, "rows": rows}
+
+
+def against_markdown(report: dict) -> str:
+    m, a = report["machine"], report["against"]
+    ratios = [r[k]["new_over_old"] for r in a["rows"] for k in KINDS]
+    fastest = [r[k]["min_new_over_old"] for r in a["rows"] for k in KINDS]
+    lines = [
+        f"# krylov: the working tree against `{a['ref']}` ({a['old']})",
+        "",
+        f"Machine: {m['device']} ({m['backend']}), {m['cpu_count']} CPUs, jax "
+        f"{m['versions']['jax']}, float32, working tree on commit "
+        f"`{m['git_commit']}`. Mode: {report['mode']}. Forward and `grad` of "
+        "`sum(krylov(A, x0, d, method=...) * W)` with respect to `A` and `x0`, the "
+        "new and the old code timed side by side in the same interleaved rounds: "
+        "ratios of the median times, and of the fastest rounds' (on a loaded "
+        "machine, where most rounds wait for a core, the fastest is the better "
+        "measure of the code); times are medians. `difference`: largest |new - old| "
+        "/ largest |old| of the outputs.",
+        "",
+    ]
+    rows = []
+    for r in a["rows"]:
+        worst = max(r[k]["difference"] for k in KINDS)
+        rows.append(
+            [r["method"], r["n"], r["d"], r["b"] or "-"]
+            + [h.fmt(r[k]["new_over_old"], ".3f") for k in KINDS]
+            + [h.fmt(r[k]["min_new_over_old"], ".3f") for k in KINDS]
+            + [h.ms(r[k][f"{v}_s"]) for k in KINDS for v in ("new", "old")]
+            + [f"{worst:.1e}" + ("" if r["agree"] else " (DIFFER)")]
+        )
+    lines += h.table(
+        "method | n | d | b | fwd new / old | grad new / old | fastest fwd new / old "
+        "| fastest grad new / old | fwd new ms | fwd old ms | grad new ms "
+        "| grad old ms | difference",
+        rows,
+    )
+    differ = [r for r in a["rows"] if not r["agree"]]
+    lines += [
+        "",
+        f"new / old over all rows: {min(ratios):.3f} to {max(ratios):.3f}, median "
+        f"{statistics.median(ratios):.3f}; of the fastest rounds {min(fastest):.3f} "
+        f"to {max(fastest):.3f}, median {statistics.median(fastest):.3f}. The results "
+        + (
+            f"agree to {AGREE:g} in every row."
+            if not differ
+            else f"DIFFER by more "
+            f"than {AGREE:g} in {len(differ)} of {len(a['rows'])} rows."
+        ),
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
@@ -683,14 +605,28 @@ def main(argv=None) -> dict:
         help="output folder (default: benchmarks/out/krylov, git-ignored)",
     )
     parser.add_argument("--no-plot", action="store_true", help="skip the figure")
+    parser.add_argument(
+        "--against",
+        metavar="REF",
+        help="only time the package at git revision REF against the working tree",
+    )
     args = parser.parse_args(argv)
+    h.cpu_by_default()
     config = QUICK if args.quick else FULL
-    args.out.mkdir(parents=True, exist_ok=True)
-
-    start = time.perf_counter()
-
-    def log(msg):
-        print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)
+    log = h.Log()
+    report: dict = {"mode": "quick" if args.quick else "full"}
+    if args.against:
+        try:
+            old = h.import_at(args.against)
+        except ValueError as error:
+            parser.error(str(error))
+        report["against"] = run_against(args.against, old, config, log)
+        report.update(machine=h.machine_info(), config=config, total_s=log.elapsed())
+        text = against_markdown(report)
+        h.write_results(args.out, report, text, stem="against")
+        print(text)
+        log(f"wrote {args.out}/against.json, against.md")
+        return report
 
     cache: dict = {}
     log("sizes")
@@ -718,25 +654,26 @@ def main(argv=None) -> dict:
     }
     log(f"  ratio {scaling['ratio']:.2f}")
 
-    strip_outputs(list(cache.values()) + blocks)
-    report = {
-        "mode": "quick" if args.quick else "full",
-        "machine": machine_info(),
-        "config": {**config, "peer_max_d": PEER_MAX_D},
-        "sizes": sizes,
-        "plot": plot_rows,
-        "blocks": blocks,
-        "losses": losses,
-        "doubling": doubling,
-        "compile_scaling": scaling,
-        "agreement": agreement,
-        "total_s": time.perf_counter() - start,
-    }
-    (args.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "results.md").write_text(markdown(report))
+    for r in list(cache.values()) + blocks:
+        for name in ("forward", "grad"):
+            r[name].pop("output", None)
+    report.update(
+        machine=h.machine_info(),
+        config={**config, "dtype": "float32", "peer_max_d": PEER_MAX_D},
+        sizes=sizes,
+        plot=plot_rows,
+        blocks=blocks,
+        losses=losses,
+        doubling=doubling,
+        compile_scaling=scaling,
+        agreement=agreement,
+        total_s=log.elapsed(),
+    )
+    text = markdown(report)
+    h.write_results(args.out, report, text)
     if not args.no_plot:
         plot(report, args.out / "grad_time_memory_vs_d.png")
-    print(markdown(report))
+    print(text)
     log(f"wrote {args.out}")
     return report
 

@@ -30,10 +30,9 @@ import json
 import pathlib
 import platform
 import shlex
-import statistics
 import sys
-import time
 
+import _harness as h
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,11 +74,10 @@ def make_step(method, d):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def _block(out):
-    jax.block_until_ready(out)
-
-
 def time_grid(ns, ds, repeats, dtype, budget, block=None):
+    """The methods side by side at each (n, d), interleaved: `repeats` rounds, or
+    fewer (at least 3) where they would take more than `budget` seconds, each
+    calling every method as often as the fastest takes about 20 ms."""
     rows = []
     for n in ns:
         for d in ds:
@@ -92,36 +90,24 @@ def time_grid(ns, ds, repeats, dtype, budget, block=None):
             b = () if block is None else (block,)
             x0 = jnp.asarray(rng.standard_normal((n, *b)), dtype)
             W = jnp.asarray(rng.standard_normal((n, d, *b)), dtype)
-            steps = {m: make_step(m, d) for m in METHODS}
-            # Compile and warm up; estimate one call to choose the inner loop count.
-            estimate = {}
-            for m, step in steps.items():
-                _block(step(A, x0, W))
-                t0 = time.perf_counter()
-                _block(step(A, x0, W))
-                estimate[m] = time.perf_counter() - t0
-            slowest = max(estimate.values())
-            if slowest * repeats * len(METHODS) > budget:
-                reps = max(3, int(budget / (slowest * len(METHODS))))
-            else:
-                reps = repeats
-            number = max(1, int(0.02 / max(min(estimate.values()), 1e-7)))
-            times = {m: [] for m in METHODS}
-            for _ in range(reps):
-                for m, step in steps.items():  # interleaved: side by side in time
-                    t0 = time.perf_counter()
-                    for _ in range(number):
-                        out = step(A, x0, W)
-                    _block(out)
-                    times[m].append((time.perf_counter() - t0) / number)
-            med = {m: statistics.median(t) for m, t in times.items()}
+            calls = [h.ready(make_step(m, d), (A, x0, W)) for m in METHODS]
+            timed = h.time_interleaved(
+                calls,
+                target_s=budget / len(METHODS),
+                min_rounds=min(3, repeats),
+                max_rounds=repeats,
+                batch_s=0.02,
+                max_batch=10_000,
+                shared_batch=True,
+            )
+            med = {m: t["median_s"] for m, t in zip(METHODS, timed, strict=True)}
             chosen = krylovjax.auto_method(A, x0, d)
             best = min(med["scan"], med["doubling"])
             row = {
                 "n": n,
                 "d": d,
-                "repeats": reps,
-                "number": number,
+                "repeats": timed[0]["rounds"],
+                "number": timed[0]["calls_per_round"],
                 **{f"{m}_s": med[m] for m in METHODS},
                 "scan_over_doubling": med["scan"] / med["doubling"],
                 "auto_over_best": med["auto"] / best,
@@ -160,10 +146,6 @@ def _vector_error(x, ref):
     return float(err) if np.isfinite(err) else float("inf")
 
 
-def _ratio(a, b):
-    return None if a is None or b is None or b == 0 else a / b
-
-
 def _fmt(x):
     return "n/a" if x is None else f"{x:.2e}"
 
@@ -200,8 +182,8 @@ def accuracy(ns, ds):
                     row[f"{m}_err"] = err
                     row[f"{m}_grad_err"] = gerr
                     row["columns"] = cols
-                row["err_ratio"] = _ratio(row["doubling_err"], row["scan_err"])
-                row["grad_err_ratio"] = _ratio(
+                row["err_ratio"] = h.ratio(row["doubling_err"], row["scan_err"])
+                row["grad_err_ratio"] = h.ratio(
                     row["doubling_grad_err"], row["scan_grad_err"]
                 )
                 rows.append(row)
@@ -229,8 +211,8 @@ def memory(sizes):
             def loss(A, x0, W, m=m, d=d):
                 return jnp.sum(krylovjax.krylov(A, x0, d, method=m) * W)
 
-            compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(A, x0, W).compile()
-            row[f"{m}_temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+            compiled, _ = h.compile_timed(jax.grad(loss, argnums=(0, 1)), (A, x0, W))
+            row[f"{m}_temp_bytes"] = h.memory(compiled)["temp_bytes"]
         rows.append(row)
         print(
             f"memory n={n:5d} d={d:5d}: temp scan {row['scan_temp_bytes']:,} B, "
@@ -241,10 +223,23 @@ def memory(sizes):
     return rows
 
 
-def write_markdown(path, result):
-    timing, acc, mem = result["timing"], result["accuracy"], result["memory"]
+ERRORS = ("scan_err", "doubling_err", "err_ratio")
+ERRORS += ("scan_grad_err", "doubling_grad_err", "grad_err_ratio")
+
+
+def markdown(result):
     block = result.get("block")
     x0_shape = "`(n,)`" if block is None else f"`(n, {block})`"
+    rows = []
+    for r in result["timing"]:
+        if "skipped" in r:
+            rows.append([r["n"], r["d"], f"skipped: {r['skipped']}", *[""] * 5])
+            continue
+        chosen = r[f"{r['auto_choice']}_s"] / min(r["scan_s"], r["doubling_s"])
+        times = [f"{r[f'{m}_s'] * 1e3:.3f}" for m in METHODS]
+        times[-1] += f" ({r['auto_choice']})"
+        ratios = (r["scan_over_doubling"], r["auto_over_best"], chosen)
+        rows.append([r["n"], r["d"], *times, *(f"{x:.2f}" for x in ratios)])
     lines = [
         "# `krylov(method=...)`: scan vs doubling vs auto",
         "",
@@ -262,22 +257,12 @@ def write_markdown(path, result):
         "`choice / best` is the time of the method auto picks, from the scan and "
         "doubling columns, over the faster one: 1.00 where auto picks the faster.",
         "",
-        "| n | d | scan | doubling | auto (choice) | scan / doubling | auto / best "
-        "| choice / best |",
-        "|---:|---:|---:|---:|---|---:|---:|---:|",
-    ]
-    for r in timing:
-        if "skipped" in r:
-            lines.append(f"| {r['n']} | {r['d']} | skipped: {r['skipped']} | | | | | |")
-            continue
-        chosen = r[f"{r['auto_choice']}_s"] / min(r["scan_s"], r["doubling_s"])
-        lines.append(
-            f"| {r['n']} | {r['d']} | {r['scan_s'] * 1e3:.3f} | "
-            f"{r['doubling_s'] * 1e3:.3f} | {r['auto_s'] * 1e3:.3f} "
-            f"({r['auto_choice']}) | {r['scan_over_doubling']:.2f} | "
-            f"{r['auto_over_best']:.2f} | {chosen:.2f} |"
-        )
-    lines += [
+        *h.table(
+            "n | d | scan | doubling | auto (choice) | scan / doubling | auto / best "
+            "| choice / best",
+            rows,
+            "rrrrlrrr",
+        ),
         "",
         "## Accuracy (float32 against a float64 reference)",
         "",
@@ -288,30 +273,30 @@ def write_markdown(path, result):
         "eigenvalues in [0.45, 0.9] and off-diagonal entries of size 2/sqrt(n), "
         "rotated; max_k ||A^k|| is about 10^3 for n = 16 and 10^6 for n = 64.",
         "",
-        "| case | n | d | columns | scan | doubling | ratio | grad scan | "
-        "grad doubling | ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in acc:
-        lines.append(
-            f"| {r['case']} | {r['n']} | {r['d']} | {r['columns']} | "
-            f"{_fmt(r['scan_err'])} | {_fmt(r['doubling_err'])} | "
-            f"{_fmt(r['err_ratio'])} | {_fmt(r['scan_grad_err'])} | "
-            f"{_fmt(r['doubling_grad_err'])} | {_fmt(r['grad_err_ratio'])} |"
-        )
-    lines += [
+        *h.table(
+            "case | n | d | columns | scan | doubling | ratio | grad scan "
+            "| grad doubling | ratio",
+            [
+                [r["case"], r["n"], r["d"], r["columns"]] + [_fmt(r[k]) for k in ERRORS]
+                for r in result["accuracy"]
+            ],
+            "lrrrrrrrrr",
+        ),
         "",
         "## Memory of `jit(grad(loss))` (XLA compiled memory analysis, temp bytes)",
         "",
-        "| n | d | scan | doubling | 4 n d | 4 n^2 |",
-        "|---:|---:|---:|---:|---:|---:|",
+        *h.table(
+            "n | d | scan | doubling | 4 n d | 4 n^2",
+            [
+                [r["n"], r["d"]]
+                + [f"{r[k]:,}" for k in ("scan_temp_bytes", "doubling_temp_bytes")]
+                + [f"{r[k]:,}" for k in ("nd_bytes", "nn_bytes")]
+                for r in result["memory"]
+            ],
+            "rrrrrr",
+        ),
     ]
-    for r in mem:
-        lines.append(
-            f"| {r['n']} | {r['d']} | {r['scan_temp_bytes']:,} | "
-            f"{r['doubling_temp_bytes']:,} | {r['nd_bytes']:,} | {r['nn_bytes']:,} |"
-        )
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def plot(path, result):
@@ -377,7 +362,7 @@ def main():
     if args.render:
         json_path = pathlib.Path(args.render)
         result = json.loads(json_path.read_text())
-        write_markdown(json_path.parent / "methods.md", result)
+        (json_path.parent / "methods.md").write_text(markdown(result))
         plot(json_path.parent / "methods.png", result)
         print(f"rewrote {json_path.parent}/methods.md, methods.png")
         return
@@ -412,8 +397,7 @@ def main():
         "accuracy": acc,
         "memory": mem,
     }
-    (out / "methods.json").write_text(json.dumps(result, indent=1))
-    write_markdown(out / "methods.md", result)
+    h.write_results(out, result, markdown(result), stem="methods")
     plot(out / "methods.png", result)
     print(f"wrote {out}/methods.json, methods.md, methods.png")
 

@@ -14,18 +14,13 @@ run). It prints a Markdown table; nothing is written.
 """
 
 import argparse
-import statistics
-import sys
-from pathlib import Path
 
+import _harness as h
 import jax
 import jax.numpy as jnp
 from jax.experimental import sparse
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_krylov import compile_fn, memory, time_interleaved  # noqa: E402
-
-import krylovjax  # noqa: E402
+import krylovjax
 
 
 def dense_case(n, d):
@@ -59,47 +54,43 @@ def sparse_case(n, d, per_row=5):
     }, (values, x0, W)
 
 
-def run(cases, config):
-    print("| operator | n | d | path | grad time vs specialised | temp memory |")
-    print("|---|---|---|---|---|---|")
+def run(cases, timing):
+    header = "operator | n | d | path | grad time vs specialised | temp memory"
+    print("\n".join(h.table(header, [])))
     for kind, n, d, make in cases:
         builders, args = make(n, d)
-        entries = []
+        fns = {}
         for name, build in builders.items():
 
             def loss(a, x0, W, build=build):
                 return jnp.sum(build(a, x0) * W)
 
-            compiled, _ = compile_fn(jax.grad(loss, argnums=(0, 1)), args)
-            entries.append(
-                {"name": name, "compiled": compiled, "args": args, "into": {}}
-            )
-        time_interleaved(entries, config)
-        base = statistics.median(entries[0]["times"])
-        for e in entries:
-            ratio = statistics.median(e["times"]) / base
-            temp = memory(e["compiled"])["temp_bytes"] / 1024
-            row = f"| {kind} | {n} | {d} | {e['name']} | {ratio:.2f} | {temp:.0f} KiB |"
-            print(row)
+            fns[name] = (jax.grad(loss, argnums=(0, 1)), args)
+        got = h.measure(fns, **timing)
+        base = next(iter(got.values()))["median_s"]
+        for name, r in got.items():
+            time, temp = f"{r['median_s'] / base:.2f}", f"{r['temp_bytes'] / 1024:.0f}"
+            print(h.row([kind, n, d, name, time, f"{temp} KiB"]))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few runs")
     args = parser.parse_args()
+    h.cpu_by_default()
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, float32")
     if args.quick:
-        config = {"target_time_s": 0.05, "min_repeats": 3, "max_repeats": 5}
+        timing = {"target_s": 0.05, "min_rounds": 3, "max_rounds": 5}
         cases = [("dense", 32, 100, dense_case), ("BCOO", 256, 50, sparse_case)]
     else:
-        config = {"target_time_s": 1.0, "min_repeats": 10, "max_repeats": 200}
+        timing = {"target_s": 1.0, "min_rounds": 10, "max_rounds": 200}
         cases = [
             ("dense", 64, 1000, dense_case),
             ("dense", 512, 200, dense_case),
             ("BCOO", 4096, 200, sparse_case),
             ("BCOO", 65536, 50, sparse_case),
         ]
-    run(cases, config)
+    run(cases, timing)
 
 
 if __name__ == "__main__":

@@ -20,22 +20,13 @@ import gzip
 import json
 import pathlib
 import re
-import statistics
 import tempfile
-import time
 
+import _harness as h
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import krylovjax
-
-
-def make_pass(method, d):
-    def loss(A, x0, W):
-        return jnp.sum(krylovjax.krylov(A, x0, d, method=method) * W)
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+from bench_methods import make_step, random_matrix
 
 
 @jax.jit
@@ -69,19 +60,6 @@ def hlo_line(hlo, op):
     return match.group(1).split(", metadata=")[0].split(", backend_config=")[0]
 
 
-def wall_times(fns, args, repeats):
-    """Median seconds per call, the functions interleaved."""
-    for fn, fn_args in zip(fns.values(), args.values(), strict=True):
-        jax.block_until_ready(fn(*fn_args))
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args[name]))
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=64)
@@ -94,12 +72,11 @@ def main():
     n, d = args.n, args.d
 
     rng = np.random.default_rng(0)
-    A = rng.standard_normal((n, n))
-    A = jnp.asarray(A * 0.9 / np.max(np.abs(np.linalg.eigvals(A))), jnp.float32)
+    A = jnp.asarray(random_matrix(rng, n, 0.9), jnp.float32)
     x0 = jnp.asarray(rng.standard_normal(n), jnp.float32)
     W, X = (jnp.asarray(rng.standard_normal((n, d)), jnp.float32) for _ in range(2))
 
-    step = make_pass(args.method, d)
+    step = make_step(args.method, d)
     hlo = step.lower(A, x0, W).compile().as_text()
     times = op_times(step, (A, x0, W), args.calls)
     by_kind = collections.defaultdict(float)
@@ -114,10 +91,13 @@ def main():
     for op, t in sorted(times.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {t:8.1f} us  {op:24s} {hlo_line(hlo, op)[:110]}")
 
-    fns = {"scan": make_pass("scan", d), args.method: step}
+    fns = {"scan": make_step("scan", d), args.method: step}
     fn_args = {"scan": (A, x0, W), args.method: (A, x0, W)}
     fns["3 products"], fn_args["3 products"] = three_products, (A, X, W)
-    walls = wall_times(fns, fn_args, args.repeats)
+    calls = [h.ready(fn, fn_args[name]) for name, fn in fns.items()]
+    rounds = {"min_rounds": args.repeats, "max_rounds": args.repeats, "max_batch": 1}
+    timed = h.time_interleaved(calls, **rounds)
+    walls = {name: t["median_s"] for name, t in zip(fns, timed, strict=True)}
     print(f"wall time per call (median of {args.repeats}, interleaved):")
     for name, t in walls.items():
         print(f"  {name:12s} {t * 1e3:8.3f} ms   scan / this {walls['scan'] / t:5.2f}")
