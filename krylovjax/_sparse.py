@@ -23,6 +23,27 @@ transpose a loop that a `custom_jvp` rule returns as a tangent.
 Every chunk has the same shape: the last one starts early enough to end at the last
 entry and skips the entries that the chunk before it already took, so nothing is
 padded or copied.
+
+Padding. JAX pads a BCOO matrix with entries whose indices lie outside the matrix
+(index $n$: `BCOO.fromdense(M, nse=...)`, `sum_duplicates(nse=...)`, most
+fixed-size BCOO operations under `jit`), and its products ignore them. So do these,
+with JAX's reading of an index (see `_entries`): an entry whose row or column is
+outside the matrix contributes nothing to a product or its tangent, whatever `x`
+holds, and its value's cotangent is exactly zero. Its indices are clamped into
+range wherever a gather or scatter promises in-bounds indices, and its term is
+zero, not zero times a row of `x`, so that an infinite or NaN row cannot leak in.
+
+JAX's own BCOO products. A callable `A` may apply a BCOO matrix with JAX's product;
+the reverse pass then takes the VJP of that callable vmapped over a stack of
+vectors (`_operator.AbstractOperator.param_vjp`), and a forward-over-reverse
+derivative (`jax.hessian`, `jax.jacfwd(jax.grad(...))`) batches that VJP once
+more. There JAX's batching rule of `bcoo_extract` (jax 0.7.2 to 0.11) is
+handed a dense operand batched on an axis past the batch axes of the indices and
+raises a `ValueError`, although moving that axis to the front gives the answer;
+plain JAX code that vmaps a BCOO product and takes its Hessian fails the same way.
+When krylovjax is imported, `_wrap_extract_batching` wraps that rule, for the whole
+process: it calls JAX's own and, only where that raises, moves the batch axis of
+both operands to the front, so that nothing JAX computes changes.
 """
 
 import math
@@ -32,6 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
+from jax.experimental import sparse
+from jax.interpreters import batching
 from jax.sharding import AxisType, PartitionSpec as P, reshard
 from jaxtyping import Array, Int, Shaped
 
@@ -57,11 +80,33 @@ def _chunk(i, size: int, total: int):
     return first, keep
 
 
-def _entries(indices, first, size: int, transposed: bool):
-    """Rows and columns of the entries `first .. first + size - 1` (of $A^\top$ if
-    `transposed`), sliced from `indices` `(nnz, 2)` without copying it whole."""
+def _entries(indices, first, size: int, transposed: bool, shape: tuple[int, int]):
+    """`(rows, columns, inside)` of the entries `first .. first + size - 1` (of
+    $A^\top$ if `transposed`), sliced from `indices` `(nnz, 2)` without copying it
+    whole, for a matrix of `shape` (that of $A^\top$ if `transposed`).
+
+    As in JAX's own BCOO operations, an index $i$ in $[-n, 0)$ counts from the end,
+    $i + n$, and an entry with an index outside $[-n, n)$ is padding. `inside`
+    marks the entries that are not; the indices of the others are clamped into
+    range (which keeps sorted rows sorted), so that reading them is in bounds."""
     idx = lax.dynamic_slice_in_dim(indices, first, size)
-    return (idx[:, 1], idx[:, 0]) if transposed else (idx[:, 0], idx[:, 1])
+    rows, columns = (idx[:, 1], idx[:, 0]) if transposed else (idx[:, 0], idx[:, 1])
+    rows, row_inside = _wrapped(rows, shape[0])
+    columns, column_inside = _wrapped(columns, shape[1])
+    return rows, columns, row_inside & column_inside
+
+
+def _wrapped(i, n: int):
+    """`(index, inside)`: `i` counted from the end where negative, clamped to
+    `[0, n)`, and whether it was in range."""
+    i = jnp.where(i < 0, i + n, i)
+    inside = (i >= 0) & (i < n)
+    return jnp.clip(i, 0, n - 1), inside
+
+
+def _take(x, i):
+    """`x[i]` for indices `i` known to be in range (see `_entries`)."""
+    return x.at[i].get(mode="promise_in_bounds", wrap_negative_indices=False)
 
 
 def _explicit_mesh(*arrays):
@@ -142,17 +187,30 @@ def _spmv_local(data, indices, x, n_out, transposed, rows_sorted, init=None):
     out = jnp.zeros((n_out, *x.shape[1:]), jnp.result_type(data, x))
     out = out if init is None else init.astype(out.dtype)
     nnz = data.shape[0]
-    if nnz == 0 or n_out == 0:
-        return out
+    if nnz == 0 or n_out == 0 or x.shape[0] == 0:
+        return out  # (with no columns, every entry is padding)
     size = chunk_size(nnz, math.prod(x.shape[1:]))
+    shape = (n_out, x.shape[0])
+    block = (size, *(1,) * (x.ndim - 1))
 
     def body(i, y):
         first, keep = _chunk(i, size, nnz)
+        r, c, inside = _entries(indices, first, size, transposed, shape)
+        keep = keep & inside
         a = jnp.where(keep, lax.dynamic_slice_in_dim(data, first, size), 0)
-        r, c = _entries(indices, first, size, transposed)
-        terms = a.reshape(size, *(1,) * (x.ndim - 1)) * x[c]
+        # The entries not kept read a row of zeros, not a row of `x` (which may be
+        # infinite) times zero: the gather fills the rows of an index past the end.
+        # A `where` on the gathered rows would do the same, but in a scan of
+        # products JAX computes its broadcast mask, a loop invariant, for every
+        # chunk before the scan: (chunks, size, *b) booleans kept throughout.
+        c = jnp.where(keep, c, x.shape[0])
+        rows = x.at[c].get(mode="fill", fill_value=0, wrap_negative_indices=False)
+        terms = a.reshape(block) * rows
         return y.at[r].add(
-            terms, indices_are_sorted=rows_sorted, mode="promise_in_bounds"
+            terms,
+            indices_are_sorted=rows_sorted,
+            mode="promise_in_bounds",
+            wrap_negative_indices=False,
         )
 
     return lax.fori_loop(0, -(-nnz // size), body, out)
@@ -300,8 +358,9 @@ def add_sampled(
 def _add_sampled_local(acc, indices, transposed, cts, stored, first_step):
     nnz = acc.shape[0]
     k = cts.shape[0]
-    if nnz == 0 or k == 0:
-        return acc
+    shape = (cts.shape[1], stored.shape[1])
+    if nnz == 0 or k == 0 or 0 in shape:
+        return acc  # (in a matrix of size 0, every entry is padding)
     # Entries per chunk: at most `CHUNK_ELEMENTS` numbers gathered from one vector.
     width = math.prod(cts.shape[2:])
     size = chunk_size(nnz, width)
@@ -309,7 +368,8 @@ def _add_sampled_local(acc, indices, transposed, cts, stored, first_step):
 
     def body(i, acc):
         first, keep = _chunk(i, size, nnz)
-        r, c = _entries(indices, first, size, transposed)
+        r, c, inside = _entries(indices, first, size, transposed, shape)
+        keep = keep & inside
 
         # One vector at a time: gathers from a single vector fuse into the sum that
         # reads them (no gathered array is written), where one gather of all `k`
@@ -319,7 +379,7 @@ def _add_sampled_local(acc, indices, transposed, cts, stored, first_step):
         def add(j, part):
             ct = lax.dynamic_index_in_dim(cts, j, 0, False)
             x = lax.dynamic_index_in_dim(stored, first_step + j, 0, False)
-            return part + jnp.where(keep, jnp.sum(ct[r] * x[c], axis=axes), 0)
+            return part + jnp.where(keep, jnp.sum(_take(ct, r) * _take(x, c), axes), 0)
 
         part = lax.dynamic_slice_in_dim(acc, first, size)
         unroll = width == 1 and k <= UNROLLED_VECTORS
@@ -327,3 +387,52 @@ def _add_sampled_local(acc, indices, transposed, cts, stored, first_step):
         return lax.dynamic_update_slice_in_dim(acc, part, first, 0)
 
     return lax.fori_loop(0, -(-nnz // size), body, acc)
+
+
+def _extract_front(batched_args, batch_dims, **params):
+    """`bcoo_extract` batched with the batch axis of both operands in front."""
+    indices, dense = batched_args
+    indices_axis, dense_axis = batch_dims
+    if indices_axis is None:
+        indices = lax.expand_dims(indices, (0,))
+    else:
+        indices = jnp.moveaxis(indices, indices_axis, 0)
+    if dense_axis is None:
+        dense = jnp.broadcast_to(dense[None], (indices.shape[0], *dense.shape))
+    else:
+        dense = jnp.moveaxis(dense, dense_axis, 0)
+    return sparse.bcoo_extract_p.bind(indices, dense, **params), 0
+
+
+def _wrap_extract_batching() -> None:
+    """Wrap JAX's batching rule of `bcoo_extract` (see above): JAX's own rule runs
+    first, and only where it raises a `ValueError` is the batch axis moved to the
+    front. JAX keeps the rules in `fancy_primitive_batchers`, whose rules also take
+    the axis data (jax >= 0.7), or in `primitive_batchers` (a plain dict before)."""
+    prim = getattr(sparse, "bcoo_extract_p", None)
+    fancy = getattr(batching, "fancy_primitive_batchers", None)
+    if prim is None:
+        return
+    if isinstance(fancy, dict) and prim in fancy:
+        jax_rule = fancy[prim]
+
+        def rule(axis_data, batched_args, batch_dims, **params):
+            try:
+                return jax_rule(axis_data, batched_args, batch_dims, **params)
+            except ValueError:
+                return _extract_front(batched_args, batch_dims, **params)
+
+        fancy[prim] = rule
+    elif isinstance(batching.primitive_batchers, dict):
+        jax_rule = batching.primitive_batchers[prim]
+
+        def plain_rule(batched_args, batch_dims, **params):
+            try:
+                return jax_rule(batched_args, batch_dims, **params)
+            except ValueError:
+                return _extract_front(batched_args, batch_dims, **params)
+
+        batching.primitive_batchers[prim] = plain_rule
+
+
+_wrap_extract_batching()

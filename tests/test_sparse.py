@@ -9,6 +9,7 @@ from jax.experimental import sparse
 from jax.test_util import check_grads
 
 import krylovjax
+from krylovjax.nn import KrylovGraphConv
 
 N, D = 20, 4
 
@@ -108,6 +109,128 @@ def test_empty_matrix():
     grad = jax.grad(_loss(_sparse), (0, 2))(data, indices, x0)
     assert grad[0].shape == (0,)
     assert_trees_close(grad[1], jnp.cos(x0), rtol=1e-15, atol=0)
+
+
+# A symmetric matrix with 7 entries, and the same matrix with two padding entries
+# (which JAX's products ignore) among them, rows still sorted: (3, 3) at the end, as
+# `fromdense(S, nse=...)` pads, and (0, 3) after row 0, whose row is in range.
+_S = jnp.array([[2.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 4.0]])
+_B = jnp.array([1.0, 0.5, -1.0])
+_PADDING = np.array([2, 8])
+_KEPT = np.array([0, 1, 3, 4, 5, 6, 7])
+
+
+def _padded(S):
+    plain = sparse.BCOO.fromdense(S)
+    indices = jnp.zeros((9, 2), plain.indices.dtype).at[_KEPT].set(plain.indices)
+    padding = jnp.array([[0, 3], [3, 3]], plain.indices.dtype)
+    indices = indices.at[_PADDING].set(padding)
+    data = jnp.zeros(9, plain.dtype).at[_KEPT].set(plain.data)
+    return sparse.BCOO((data, indices), shape=S.shape, indices_sorted=True)
+
+
+def _sparse_like(A, data):
+    """`A` with the values `data`."""
+    return sparse.BCOO(
+        (data, A.indices), shape=A.shape, indices_sorted=A.indices_sorted
+    )
+
+
+_CONV = KrylovGraphConv(2, 2, 2, key=jax.random.key(0))
+
+
+def _losses(**options):
+    """A scalar loss of a matrix or callable `A` for each function that builds a
+    Krylov basis, `options` (an adjoint) passed to it."""
+    return {
+        "krylov": lambda A: jnp.sum(jnp.sin(krylovjax.krylov(A, _B, 3, **options))),
+        "lanczos": lambda A: jnp.sum(
+            jnp.sin(krylovjax.lanczos(A, _B, 3, **options).diagonal)
+        ),
+        "arnoldi": lambda A: jnp.sum(
+            jnp.sin(krylovjax.arnoldi(A, _B, 3, **options).hessenberg)
+        ),
+        "funm_action": lambda A: jnp.sum(
+            krylovjax.funm_action(jnp.exp, A, _B, 3, method="lanczos", **options)
+        ),
+    }
+
+
+# A scalar loss of a matrix and how it is differentiated, for each public function
+# that takes a BCOO matrix (and krylov's other rules).
+PADDING_CASES = {
+    **{name: (loss, jax.grad) for name, loss in _losses().items()},
+    "krylov_custom_vjp": (_losses(adjoint="custom_vjp")["krylov"], jax.grad),
+    "krylov_jacfwd": (_losses()["krylov"], jax.jacfwd),
+    "trace_funm": (
+        lambda A: krylovjax.trace_funm(jnp.log, A, jax.random.key(1), 3, num_probes=2),
+        jax.grad,
+    ),
+    "KrylovGraphConv": (
+        lambda A: jnp.sum(jnp.sin(_CONV(A, jnp.outer(_B, _B[:2])))),
+        jax.grad,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PADDING_CASES))
+def test_padding_entries_get_no_gradient(case):
+    loss, derivative = PADDING_CASES[case]
+
+    @jax.jit
+    def grad(A):
+        return derivative(lambda v: loss(_sparse_like(A, v)))(A.data)
+
+    got = grad(_padded(_S))
+    assert_trees_close(got[_PADDING], jnp.zeros(2), rtol=0, atol=0)
+    want = grad(sparse.BCOO.fromdense(_S))
+    assert_trees_close(got[_KEPT], want, rtol=1e-12, atol=1e-12)
+
+
+def test_padding_entries_never_read_x():
+    # Entries outside the matrix (row, column or both), whose indices clamped into
+    # range read the last row of x0, which is infinite; no stored entry reads it,
+    # so JAX's product, the Krylov vectors after x0 and the gradient are finite. A
+    # negative index counts from the end, as in JAX: (-1, -3) is entry (2, 0).
+    S = _S.at[:, 2].set(0.0)
+    plain = sparse.BCOO.fromdense(S)
+    padding = jnp.array([[0, 3], [3, 0], [3, 3], [-1, -3]], plain.indices.dtype)
+    indices = jnp.concatenate([plain.indices, padding])
+    data = jnp.concatenate([plain.data, jnp.ones(4)])
+    A = sparse.BCOO((data, indices), shape=(3, 3))
+    x0 = _B.at[2].set(jnp.inf)
+    want = jnp.stack([A @ x0, A @ (A @ x0)], axis=1)
+    assert bool(jnp.all(jnp.isfinite(want))), want
+
+    @jax.jit
+    def value_and_grad(data):
+        def tail(data):
+            return krylovjax.krylov(_sparse_like(A, data), x0, 3)[:, 1:]
+
+        return tail(data), jax.grad(lambda data: jnp.sum(tail(data)))(data)
+
+    X, grad = value_and_grad(data)
+    assert_trees_close(X, want, rtol=1e-15, atol=0)
+    assert bool(jnp.all(jnp.isfinite(grad))), grad
+    assert_trees_close(grad[-4:-1], jnp.zeros(3), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(_losses()))
+def test_hessian_through_a_callable_that_applies_a_bcoo_matrix(name):
+    # Forward over reverse: the reverse pass takes the VJP of the callable vmapped
+    # over a stack of vectors, which `jacfwd` batches again, in JAX's BCOO rules.
+    plain = sparse.BCOO.fromdense(_S)
+
+    def hessian(loss):
+        def of_data(data):
+            A = sparse.BCOO((data, plain.indices), shape=_S.shape)
+            return loss(lambda x: A @ x)
+
+        return jax.jit(jax.hessian(of_data))(plain.data)
+
+    got = hessian(_losses()[name])
+    want = hessian(_losses(adjoint="autodiff")[name])
+    assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_memory_is_bounded_by_a_chunk_not_by_the_entries():
