@@ -283,6 +283,65 @@ def vjps(fs, args, key):
     return run(args, ct)
 
 
+# ------------------------------------------------------ losses and memory
+
+# The forms of scalar loss that the gradient tests differentiate (`scalar_loss`).
+LOSS_FORMS = (
+    "sum",
+    "mean",
+    "constant_weights",
+    "weights_argument",
+    "tanh",
+    "readout",
+    "last",
+)
+
+
+def scalar_loss(out, form="sin", weights=None):
+    """A scalar loss of `out` (an array, or a pytree summed over its leaves).
+
+    `form` is one of `LOSS_FORMS` (on a Krylov matrix `(n, d, ...)`: its sum, mean,
+    a product with constant weights or with `weights`, `tanh` squared, a readout
+    `C X` squared, the last column), `"sin"` (the sum of `sin`, nonlinear so that
+    second derivatives do not vanish) or `"weighted_squares"` (`weights * out**2`).
+    """
+    if not isinstance(out, jax.Array):
+        leaves = jax.tree_util.tree_leaves(out)
+        return sum(scalar_loss(x, form, weights) for x in leaves)
+    X, W = out, weights
+    if form == "sin":
+        return jnp.sum(jnp.sin(X))
+    if form == "weighted_squares":
+        return jnp.sum(W * X**2)
+    if form == "sum":
+        return X.sum()
+    if form == "mean":
+        return X.mean()
+    if form == "constant_weights":
+        return jnp.sum(X * jnp.arange(X.size, dtype=X.dtype).reshape(X.shape))
+    if form == "weights_argument":
+        return jnp.sum(X * W)
+    if form == "tanh":
+        return jnp.sum(jnp.tanh(X) ** 2)
+    if form == "readout":
+        n = X.shape[0]
+        C = jnp.linspace(-1.0, 1.0, 3 * n, dtype=X.dtype).reshape(3, n)
+        return jnp.sum(jnp.tensordot(C, X, 1) ** 2)
+    if form == "last":
+        return X[:, -1].sum()
+    raise ValueError(form)
+
+
+def temp_bytes(fn, *args):
+    """XLA's compiled temporary memory of `jax.jit(fn)(*args)`, in bytes (skips the
+    test where the backend has no memory analysis). `args` may be arrays or
+    `jax.ShapeDtypeStruct`s: nothing runs."""
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+    if stats is None:
+        pytest.skip("memory_analysis() returns None on this backend")
+    return stats.temp_size_in_bytes
+
+
 # ------------------------------------------------------- runtime type checking
 
 # The suite runs with jaxtyping's import hook on the package

@@ -36,12 +36,20 @@ N, D = 5, 4
 # ---------------------------------------------------------------------- values
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+# Every dtype once, the layouts in turn (doubling's values in every dtype are in
+# test_doubling.py::test_values_dense).
+@pytest.mark.parametrize(
+    "method, dtype, layout",
+    [
+        ("scan", jnp.float32, "columns"),
+        ("scan", jnp.float64, "rows"),
+        ("scan", jnp.complex64, "rows"),
+        ("scan", jnp.complex128, "columns"),
+    ],
+)
 def test_values_dense(method, dtype, layout):
-    # Blocks, and the values with adjoint="custom_jvp" in every dtype and layout, are
-    # covered in test_vjp_layouts_and_blocks_*.
+    # Blocks, and the values with adjoint="custom_jvp", are covered in
+    # test_vjp_layouts_and_blocks_*.
     A, x0 = random_problem(dtype)
     X = jax.jit(
         krylovjax.krylov, static_argnums=2, static_argnames=("layout", "method")
@@ -53,7 +61,17 @@ def test_values_dense(method, dtype, layout):
     assert_trees_close(X, expected, **tol(dtype))
 
 
-@grid(method=METHODS, kind=KINDS)
+# Every kind once, the methods in turn.
+@pytest.mark.parametrize(
+    "method, kind",
+    [
+        ("scan", "dense"),
+        ("doubling", "bcoo"),
+        ("scan", "closure"),
+        ("doubling", "module"),
+        ("scan", "method"),
+    ],
+)
 def test_values_operator_kinds_block(method, kind):
     # Single vectors, and adjoint="custom_jvp" for every kind, are covered with values
     # in test_vjp_operator_kinds_*; custom_jvp with a block in test_vjp_layouts_*.
@@ -82,9 +100,15 @@ def test_values_column_block_is_block_krylov_matrix(method):
     np.testing.assert_allclose(flat, expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("block", [None, 2])
+@pytest.mark.parametrize(
+    "method, layout, block",
+    [
+        ("scan", "columns", None),
+        ("scan", "rows", 2),
+        ("doubling", "columns", 2),
+        ("doubling", "rows", None),
+    ],
+)
 def test_depth_one_returns_x0_with_new_axis(method, layout, block):
     A, x0 = random_problem(jnp.float32, block)
     X = krylovjax.krylov(A, x0, 1, layout=layout, method=method)
@@ -93,16 +117,6 @@ def test_depth_one_returns_x0_with_new_axis(method, layout, block):
     assert X.dtype == jnp.float32
     grad = jax.grad(lambda x: krylovjax.krylov(A, x, 1, method=method).sum())(x0)
     np.testing.assert_array_equal(grad, jnp.ones_like(x0))
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_auto_method_matches(method):
-    A, x0 = random_problem(jnp.float64)
-    assert_trees_close(
-        krylovjax.krylov(A, x0, D, method="auto"),
-        krylovjax.krylov(A, x0, D, method=method),
-        **tol(jnp.float64),
-    )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -155,35 +169,45 @@ def _reference_fn(build, layout="columns", d=D):
     return f
 
 
-@grid(method=METHODS, kind=KINDS, adjoint=("custom_vjp", "custom_jvp"))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex128])
-def test_vjp_operator_kinds_against_scan_autodiff(method, kind, adjoint, dtype):
+# The scan with both rules and every kind, in one program per kind, in a real and a
+# complex dtype in turn; doubling with every kind is in
+# test_doubling.py::test_vjp_against_scan.
+KIND_CASES = [
+    (kind, (jnp.float32, jnp.complex128)[i % 2]) for i, kind in enumerate(KINDS)
+]
+
+
+@pytest.mark.parametrize("kind, dtype", KIND_CASES)
+def test_vjp_operator_kinds_against_scan_autodiff(kind, dtype):
     A, x0 = random_problem(dtype)
     params, build = make_operator(kind, A)
     fs = [
-        _krylov_fn(build, method, adjoint),
         _reference_fn(build),
-        _krylov_fn(build, method, "autodiff"),
+        _krylov_fn(build, "scan", "autodiff"),
+        _krylov_fn(build, "scan", "custom_vjp"),
+        _krylov_fn(build, "scan", "custom_jvp"),
     ]
-    (out, grads), (out_ref, grads_ref), (_, grads_autodiff) = vjps(
-        fs, (params, x0), jr.key(7)
-    )
-    assert_trees_close(out, out_ref, **tol(dtype))
-    assert_trees_close(grads, grads_ref, **tol(dtype))
-    assert_trees_close(grads, grads_autodiff, **tol(dtype))
-    # Every array the operator holds receives a nonzero gradient.
-    for leaf in jax.tree_util.tree_leaves(grads[0]):
-        assert np.all(np.isfinite(leaf)) and np.any(leaf != 0)
+    (out_ref, grads_ref), (_, grads_autodiff), *ours = vjps(fs, (params, x0), jr.key(7))
+    assert_trees_close(grads_autodiff, grads_ref, **tol(dtype))
+    for out, grads in ours:
+        assert_trees_close(out, out_ref, **tol(dtype))
+        assert_trees_close(grads, grads_ref, **tol(dtype))
+        # Every array the operator holds receives a nonzero gradient.
+        for leaf in jax.tree_util.tree_leaves(grads[0]):
+            assert np.all(np.isfinite(leaf)) and np.any(leaf != 0)
 
 
-# Every dtype for the default adjoint; custom_jvp in one real and one complex dtype
-# (its float64 and complex128 gradients are also checked by finite differences).
-LAYOUT_CASES = [(method, "custom_vjp", dtype) for method in METHODS for dtype in DTYPES]
+# The scan's custom_vjp in every dtype; custom_jvp in one real and one complex dtype
+# (its float64 and complex128 gradients are also checked by finite differences);
+# the layouts in turn. Doubling with a block in every dtype is in
+# test_doubling.py::test_vjp_against_scan, in both layouts in
+# test_doubling.py::test_vjp_layouts_and_depths.
+LAYOUT_CASES = [("scan", "custom_vjp", dtype) for dtype in DTYPES]
 LAYOUT_CASES += [("scan", "custom_jvp", dt) for dt in (jnp.float32, jnp.complex128)]
+LAYOUT_CASES = [(*case, LAYOUTS[i % 2]) for i, case in enumerate(LAYOUT_CASES)]
 
 
-@pytest.mark.parametrize(("method", "adjoint", "dtype"), LAYOUT_CASES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("method", "adjoint", "dtype", "layout"), LAYOUT_CASES)
 def test_vjp_layouts_and_blocks_against_scan_autodiff(method, adjoint, dtype, layout):
     A, x0 = random_problem(dtype, block=3)
     build = lambda p: p  # noqa: E731
@@ -197,10 +221,11 @@ def test_vjp_layouts_and_blocks_against_scan_autodiff(method, adjoint, dtype, la
 
 
 @grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_vjp_accepts_numpy_cotangent(method, adjoint, layout):
+def test_vjp_accepts_numpy_cotangent(method, adjoint):
     # With layout="rows" the cotangent reaches the reverse pass unconverted, so a
-    # NumPy cotangent must not be indexed by a traced step counter.
+    # NumPy cotangent must not be indexed by a traced step counter (with "columns"
+    # it is converted by the transpose of the layout's `moveaxis`).
+    layout = "rows"
     A, x0 = random_problem(jnp.float64)
     f = _krylov_fn(lambda p: p, method, adjoint, layout=layout)
     out, vjp = jax.vjp(f, A, x0)
@@ -209,10 +234,15 @@ def test_vjp_accepts_numpy_cotangent(method, adjoint, layout):
     assert_trees_close(vjp(ct), expected(jnp.asarray(ct)), **tol(jnp.float64))
 
 
-@grid(
-    method=METHODS,
-    kind=["dense", "closure", "module"],
-    adjoint=("custom_vjp", "custom_jvp"),
+# Each kind, method and rule once (the defaults with x0 alone for dense, BCOO and
+# callable operators are in test_defaults.py::test_every_chunking_matches_autodiff).
+@pytest.mark.parametrize(
+    "method, kind, adjoint",
+    [
+        ("scan", "closure", "custom_jvp"),
+        ("doubling", "dense", "custom_vjp"),
+        ("scan", "module", "custom_vjp"),
+    ],
 )
 def test_grad_of_one_argument(method, kind, adjoint):
     # Differentiating only x0 (operator not perturbed) or only the operator.
@@ -237,10 +267,15 @@ def test_grad_of_one_argument(method, kind, adjoint):
 MODES = {"custom_vjp": ["rev"], "custom_jvp": ["fwd", "rev"], "autodiff": ["rev"]}
 
 
-@grid(
-    method=METHODS,
-    kind=["dense", "bcoo", "method"],
-    adjoint=("custom_vjp", "custom_jvp"),
+# Each rule of the scan, each operator family once; doubling's are in
+# test_doubling.py::test_grads_finite_differences.
+@pytest.mark.parametrize(
+    "method, kind, adjoint",
+    [
+        ("scan", "dense", "custom_vjp"),
+        ("scan", "bcoo", "custom_jvp"),
+        ("scan", "method", "custom_jvp"),
+    ],
 )
 def test_grads_finite_differences(method, kind, adjoint):
     # "closure" and "module" reach the same code path as "method" (a callable).
@@ -250,7 +285,10 @@ def test_grads_finite_differences(method, kind, adjoint):
     check_grads(f, (params, x0), order=2, modes=MODES[adjoint])
 
 
-@grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
+# Doubling's is test_doubling.py::test_grads_finite_differences_complex.
+@pytest.mark.parametrize(
+    "method, adjoint", [("scan", "custom_vjp"), ("scan", "custom_jvp")]
+)
 def test_grads_finite_differences_complex_block(method, adjoint):
     A, x0 = random_problem(jnp.complex128, block=2, n=3)
     f = jax.jit(_krylov_fn(lambda p: p, method, adjoint, layout="columns", d=3))

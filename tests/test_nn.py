@@ -73,20 +73,13 @@ SHAPES = {
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_output_shape_and_dtype(kind):
+def test_output_shape_and_dtype_and_jit_matches_eager(kind):
     model, args = _make(kind)
     out = eqx.filter_jit(lambda m, *a: m(*a))(model, *args)
     assert out.shape == SHAPES[kind]
     assert out.dtype == jnp.float64
     assert jnp.all(jnp.isfinite(out))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_jit_matches_eager(kind):
-    model, args = _make(kind)
-    eager = model(*args)
-    jitted = eqx.filter_jit(lambda m, *a: m(*a))(model, *args)
-    np.testing.assert_allclose(jitted, eager, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out, model(*args), rtol=1e-12, atol=1e-12)
 
 
 # --- references --------------------------------------------------------------------
@@ -231,6 +224,10 @@ def test_vmap_over_an_ensemble_of_layers():
     models = eqx.filter_vmap(lambda k: LinearDynamics(3, 4, key=k))(keys)
     out = eqx.filter_vmap(lambda m: m())(models)
     assert out.shape == (3, 4, 3)
+    # Each member is the layer its key makes.
+    np.testing.assert_allclose(
+        out[1], LinearDynamics(3, 4, key=keys[1])(), rtol=1e-12, atol=1e-12
+    )
 
 
 # --- gradients ----------------------------------------------------------------------
@@ -250,7 +247,7 @@ def test_gradients_reach_every_parameter_and_match_finite_differences(kind):
     for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
         assert jnp.all(jnp.isfinite(leaf)), path
         assert jnp.any(leaf != 0), f"no gradient reaches {jax.tree_util.keystr(path)}"
-    # Reverse mode only: krylov's custom VJP has no forward-mode rule.
+    # Reverse mode (forward mode: test_defaults.py::test_layers_support_forward_mode).
     check_grads(loss, (params,), order=1, modes=["rev"], eps=1e-6)
 
 

@@ -7,6 +7,8 @@ naming the layer's own argument. Also: array-likes and other sparse formats for 
 graph operator, integer types for `num_hops`, and graphs with no nodes.
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -35,9 +37,12 @@ def _ring(n=N_NODES):
     return adjacency
 
 
+@functools.cache
 def _layer(kind, dtype=None):
     # `dtype=` is passed only when given, so that the tests of the default layer
-    # exercise nothing but what they are about.
+    # exercise nothing but what they are about. Layers are immutable: each is made
+    # once (under the 64-bit mode of its first call; see
+    # test_default_dtype_follows_64_bit_mode for the other).
     kwargs = {"key": jr.key(0)} if dtype is None else {"key": jr.key(0), "dtype": dtype}
     if kind == "linear_dynamics":
         return LinearDynamics(3, 5, learn_x0=False, **kwargs)
@@ -91,8 +96,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("input_dtype", [np.int32, np.int64, np.bool_])
-@pytest.mark.parametrize(("kind", "name"), CASES)
+# Every input of every layer once, the integer and boolean dtypes in turn.
+@pytest.mark.parametrize(
+    ("kind", "name", "input_dtype"),
+    [(*case, (np.int32, np.int64, np.bool_)[i % 3]) for i, case in enumerate(CASES)],
+)
 def test_integer_and_boolean_inputs_match_the_cast_input(kind, name, input_dtype):
     # As with `equinox.nn.Linear`, an integer or boolean input is promoted to the
     # layer's dtype: nothing is truncated and nothing raises.
@@ -230,8 +238,12 @@ def test_sizes_too_large_name_the_layer_argument(call, match):
 # --- the layer's dtype ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
-@pytest.mark.parametrize("kind", KINDS)
+# float32 for every layer (float64, 64-bit mode's default, is what every other test
+# uses); float64 given explicitly once.
+@pytest.mark.parametrize(
+    "kind, dtype",
+    [(kind, jnp.float32) for kind in KINDS] + [("state_space", jnp.float64)],
+)
 def test_parameters_and_output_have_the_layer_dtype(kind, dtype):
     layer = _layer(kind, dtype=dtype)
     for path, leaf in jax.tree_util.tree_leaves_with_path(
@@ -271,7 +283,7 @@ def test_default_dtype_follows_64_bit_mode(kind):
     # `dtype=None` is float64 in 64-bit mode and float32 otherwise, as in eqx.nn.Linear.
     for x64, dtype in [(True, jnp.float64), (False, jnp.float32)]:
         with jax.enable_x64(x64):
-            layer = _layer(kind)
+            layer = _layer.__wrapped__(kind)  # made anew, not the cached layer
             leaves = jax.tree_util.tree_leaves(eqx.filter(layer, eqx.is_array))
             assert {leaf.dtype for leaf in leaves} == {jnp.dtype(dtype)}
 
@@ -498,18 +510,3 @@ def test_normalise_adjacency_with_no_nodes(kind):
     out = normalise_adjacency(_empty(kind))
     assert isinstance(out, sparse.BCOO) == (kind == "graph_bcoo")
     assert out.shape == (0, 0)
-
-
-@pytest.mark.parametrize(("kind", "name"), CASES)
-def test_promotion_is_the_same_under_strict_and_standard(kind, name):
-    # conftest.py sets `jax_numpy_dtype_promotion="strict"`; the layers' promotion
-    # of their inputs is part of their API and follows the standard rules in both.
-    assert jax.config.jax_numpy_dtype_promotion == "strict"
-    layer = _layer(kind, dtype=jnp.float32)
-    inputs = _cast(_inputs(kind), np.float32)
-    inputs[name] = _inputs(kind)[name].astype(np.int32)
-    out = _call(kind, layer, inputs)
-    with jax.numpy_dtype_promotion("standard"):
-        expected = _call(kind, layer, inputs)
-    assert out.dtype == expected.dtype == jnp.float32
-    np.testing.assert_array_equal(out, expected)

@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import jax.random as jr
 import pytest
 from helpers import (
-    KINDS,
     METHODS,
     MLP,
     as_mv,
@@ -16,6 +15,7 @@ from helpers import (
     make_operator,
     random_array,
     random_matrix,
+    scalar_loss,
     tol,
 )
 
@@ -46,9 +46,9 @@ def _x0(seed=1):
 CT = random_array(jr.key(9), (N, D), jnp.float64)
 
 
-def _loss(f):
+def _squares_loss(f):
     # Nonlinear in the output, so that second derivatives are not trivially zero.
-    return lambda p, x: jnp.sum(CT * f(p, x) ** 2)
+    return lambda p, x: scalar_loss(f(p, x), "weighted_squares", CT)
 
 
 TRANSFORMS = {
@@ -56,14 +56,16 @@ TRANSFORMS = {
     "vmap_x0": lambda f, p, ps, x, xs: jax.vmap(f, (None, 0))(p, xs),
     "vmap_A": lambda f, p, ps, x, xs: jax.vmap(f, (0, None))(ps, x),
     "vmap_both": lambda f, p, ps, x, xs: jax.vmap(f)(ps, xs),
-    "grad": lambda f, p, ps, x, xs: jax.grad(_loss(f), (0, 1))(p, x),
-    "vmap_grad": lambda f, p, ps, x, xs: jax.vmap(jax.grad(_loss(f), (0, 1)))(ps, xs),
-    "grad_grad": lambda f, p, ps, x, xs: jax.grad(
-        lambda p, x: jnp.sum(jnp.sin(jax.grad(_loss(f), 1)(p, x))), (0, 1)
-    )(p, x),
-    "checkpoint": lambda f, p, ps, x, xs: jax.grad(_loss(jax.checkpoint(f)), (0, 1))(
-        p, x
+    "grad": lambda f, p, ps, x, xs: jax.grad(_squares_loss(f), (0, 1))(p, x),
+    "vmap_grad": lambda f, p, ps, x, xs: jax.vmap(jax.grad(_squares_loss(f), (0, 1)))(
+        ps, xs
     ),
+    "grad_grad": lambda f, p, ps, x, xs: jax.grad(
+        lambda p, x: jnp.sum(jnp.sin(jax.grad(_squares_loss(f), 1)(p, x))), (0, 1)
+    )(p, x),
+    "checkpoint": lambda f, p, ps, x, xs: jax.grad(
+        _squares_loss(jax.checkpoint(f)), (0, 1)
+    )(p, x),
 }
 
 
@@ -77,31 +79,53 @@ def _krylov_fns(build, method, adjoint="custom_vjp"):
     return lib, ref
 
 
-def _check(transform, kind, method, adjoint):
-    p, ps, build = _params(kind)
+def _check_all(cases, *args):
+    """Run each `(name, transform, lib, ref)` of `cases` on `args`, all in one
+    program, and compare the library's result with the reference's."""
+
+    @jax.jit
+    def run(*args):
+        return [(t(lib, *args), t(ref, *args)) for _, t, lib, ref in cases]
+
+    for (name, *_), (got, want) in zip(cases, run(*args), strict=True):
+        try:
+            assert_trees_close(got, want, **TOL)
+        except AssertionError as error:
+            msg = f"{name}: {error}"
+            raise AssertionError(msg) from None
+
+
+# Every transform for each rule of each method, in one program per rule.
+@grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
+def test_krylov_transforms_dense(method, adjoint):
+    p, ps, build = _params("dense")
     x, xs = _x0()
     lib, ref = _krylov_fns(build, method, adjoint)
-    apply = jax.jit(TRANSFORMS[transform], static_argnums=0)
-    assert_trees_close(apply(lib, p, ps, x, xs), apply(ref, p, ps, x, xs), **TOL)
+    cases = [(name, t, lib, ref) for name, t in TRANSFORMS.items()]
+    _check_all(cases, p, ps, x, xs)
 
 
-@grid(method=METHODS, adjoint=("custom_vjp", "custom_jvp"))
-@pytest.mark.parametrize("transform", list(TRANSFORMS))
-def test_krylov_transforms_dense(method, adjoint, transform):
-    _check(transform, "dense", method, adjoint)
-
-
-@grid(method=METHODS, kind=["bcoo", "closure", "module", "method"])
-@pytest.mark.parametrize("transform", ["vmap_both", "grad_grad"])
-def test_krylov_transforms_operator_kinds(method, kind, transform):
-    _check(transform, kind, method, "custom_vjp")
-
-
-@pytest.mark.parametrize("kind", ["bcoo", "closure", "module", "method"])
-def test_krylov_grad_grad_custom_jvp_operator_kinds(kind):
-    # grad_grad runs the JVP rule, its transposition and the JVP of that; vmap of
-    # the custom_jvp forward pass is the plain scan's and is covered on "dense".
-    _check("grad_grad", kind, "scan", "custom_jvp")
+# "module" reaches the same code path as "method" (an Equinox module's arrays).
+@pytest.mark.parametrize("kind", ["bcoo", "closure", "method"])
+def test_krylov_transforms_operator_kinds(kind):
+    # For each kind of operator, in one program: vmap over a batch of operators and
+    # grad of grad for both methods' custom_vjp; the scan's custom_jvp under grad of
+    # grad (its JVP rule, the rule's transposition and the JVP of that) and jacfwd
+    # with respect to every array the operator holds and to x0. vmap of the
+    # custom_jvp forward pass is the plain scan's and is covered on "dense".
+    p, ps, build = _params(kind)
+    x, xs = _x0()
+    cases = []
+    for method, adjoint, names in [
+        ("scan", "custom_vjp", ["vmap_both", "grad_grad"]),
+        ("doubling", "custom_vjp", ["vmap_both", "grad_grad"]),
+        ("scan", "custom_jvp", ["grad_grad", "jacfwd"]),
+    ]:
+        lib, ref = _krylov_fns(build, method, adjoint)
+        for name in names:
+            transform = TRANSFORMS.get(name) or _forward_transform(name)
+            cases.append((f"{method}-{adjoint}-{name}", transform, lib, ref))
+    _check_all(cases, p, ps, x, xs)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -118,28 +142,34 @@ def test_krylov_jit_with_static_depth(method):
 FORWARD = {
     "jvp": lambda f, p, x: jax.jvp(f, (p, x), (jnp.ones_like(p), jnp.ones_like(x))),
     "jacfwd": lambda f, p, x: jax.jacfwd(f, (0, 1))(p, x),
-    "hessian": lambda f, p, x: jax.hessian(_loss(f), (0, 1))(p, x),
+    "hessian": lambda f, p, x: jax.hessian(_squares_loss(f), (0, 1))(p, x),
 }
 
 
-@grid(method=METHODS, adjoint=("custom_jvp", "autodiff"))
-@pytest.mark.parametrize("mode", list(FORWARD))
-def test_krylov_forward_mode(method, adjoint, mode):
-    p, _, build = _params("dense")
-    x, _ = _x0()
+def _forward_transform(mode):
+    """`FORWARD[mode]` in the signature of `TRANSFORMS`."""
+    return lambda f, p, ps, x, xs: FORWARD[mode](f, p, x)
+
+
+# Every forward mode for each rule that has one; `jax.hessian` (forward over reverse)
+# also with the custom_vjp: its outer JVP differentiates the hand-written reverse
+# pass, an ordinary function, so it works and is exact.
+@pytest.mark.parametrize(
+    "method, adjoint, modes",
+    [
+        ("scan", "custom_jvp", list(FORWARD)),
+        ("scan", "autodiff", list(FORWARD)),
+        ("doubling", "autodiff", list(FORWARD)),
+        ("scan", "custom_vjp", ["hessian"]),
+        ("doubling", "custom_vjp", ["hessian"]),
+    ],
+)
+def test_krylov_forward_mode(method, adjoint, modes):
+    p, ps, build = _params("dense")
+    x, xs = _x0()
     lib, ref = _krylov_fns(build, method, adjoint)
-    apply = jax.jit(FORWARD[mode], static_argnums=0)
-    assert_trees_close(apply(lib, p, x), apply(ref, p, x), **TOL)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_krylov_forward_mode_custom_jvp_operator_kinds(kind):
-    # jacfwd with respect to every array the operator holds and to x0.
-    p, _, build = _params(kind)
-    x, _ = _x0()
-    lib, ref = _krylov_fns(build, "scan", "custom_jvp")
-    apply = jax.jit(FORWARD["jacfwd"], static_argnums=0)
-    assert_trees_close(apply(lib, p, x), apply(ref, p, x), **TOL)
+    cases = [(mode, _forward_transform(mode), lib, ref) for mode in modes]
+    _check_all(cases, p, ps, x, xs)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -150,17 +180,6 @@ def test_krylov_forward_mode_raises_with_custom_vjp(method, mode):
     lib, _ = _krylov_fns(build, method)
     with pytest.raises(TypeError, match=FORWARD_MODE_ERROR):
         FORWARD[mode](lib, p, x)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_krylov_hessian_with_custom_vjp(method):
-    # `jax.hessian` is forward-over-reverse: the outer JVP differentiates the
-    # hand-written reverse pass, an ordinary function, so it works and is exact.
-    p, _, build = _params("dense")
-    x, _ = _x0()
-    lib, ref = _krylov_fns(build, method)
-    apply = jax.jit(FORWARD["hessian"], static_argnums=0)
-    assert_trees_close(apply(lib, p, x), apply(ref, p, x), **TOL)
 
 
 # ---------------------------------------------------------------------- iterate
@@ -186,32 +205,39 @@ def _iterate_fns(adjoint="custom_vjp"):
 
 
 @pytest.mark.parametrize("adjoint", ITERATE_ADJOINTS)
-@pytest.mark.parametrize(
-    "transform", ["jit", "vmap_x0", "vmap_both", "grad", "vmap_grad", "grad_grad"]
-)
-def test_iterate_transforms(adjoint, transform):
+def test_iterate_transforms(adjoint):
     m, ms = _mlps()
     x, xs = _x0()
     lib, ref = _iterate_fns(adjoint)
-    apply = jax.jit(TRANSFORMS[transform], static_argnums=0)
-    assert_trees_close(apply(lib, m, ms, x, xs), apply(ref, m, ms, x, xs), **TOL)
+    names = ["jit", "vmap_x0", "vmap_both", "grad", "vmap_grad", "grad_grad"]
+    _check_all([(name, TRANSFORMS[name], lib, ref) for name in names], m, ms, x, xs)
 
 
 ITERATE_FORWARD = {
     "jvp": lambda f, m, x: jax.jvp(lambda x: f(m, x), (x,), (jnp.ones_like(x),)),
     "jacfwd": lambda f, m, x: jax.jacfwd(f, (0, 1))(m, x),
-    "hessian": lambda f, m, x: jax.hessian(_loss(f), 1)(m, x),
+    "hessian": lambda f, m, x: jax.hessian(_squares_loss(f), 1)(m, x),
 }
 
 
-@pytest.mark.parametrize("adjoint", ["custom_jvp", "autodiff"])
-@pytest.mark.parametrize("mode", list(ITERATE_FORWARD))
-def test_iterate_forward_mode(adjoint, mode):
+# `jax.hessian` also with the custom_vjp (forward over its reverse pass).
+@pytest.mark.parametrize(
+    "adjoint, modes",
+    [
+        ("custom_jvp", list(ITERATE_FORWARD)),
+        ("autodiff", list(ITERATE_FORWARD)),
+        ("custom_vjp", ["hessian"]),
+    ],
+)
+def test_iterate_forward_mode(adjoint, modes):
     m, _ = _mlps()
     x, _ = _x0()
     lib, ref = _iterate_fns(adjoint)
-    apply = jax.jit(ITERATE_FORWARD[mode], static_argnums=0)
-    assert_trees_close(apply(lib, m, x), apply(ref, m, x), **TOL)
+
+    def transform(mode):
+        return lambda f, m, x: ITERATE_FORWARD[mode](f, m, x)
+
+    _check_all([(mode, transform(mode), lib, ref) for mode in modes], m, x)
 
 
 @pytest.mark.parametrize("mode", ["jvp", "jacfwd"])
@@ -221,14 +247,6 @@ def test_iterate_forward_mode_raises_with_custom_vjp(mode):
     lib, _ = _iterate_fns()
     with pytest.raises(TypeError, match=FORWARD_MODE_ERROR):
         ITERATE_FORWARD[mode](lib, m, x)
-
-
-def test_iterate_hessian_with_custom_vjp():
-    m, _ = _mlps()
-    x, _ = _x0()
-    lib, ref = _iterate_fns()
-    apply = jax.jit(ITERATE_FORWARD["hessian"], static_argnums=0)
-    assert_trees_close(apply(lib, m, x), apply(ref, m, x), **TOL)
 
 
 # A Python float that a callable closes over, as `jax.grad(f)(0.7)` and
@@ -269,10 +287,19 @@ def test_derivative_in_a_python_float_that_a_callable_closes_over(case):
     def loss(t):
         return jnp.sum(weights * f(t))
 
-    expected = jax.grad(loss)(jnp.asarray(0.7))
-    assert_trees_close(jax.grad(loss)(0.7), expected, **TOL)
-    if "custom_vjp" not in case and "doubling" not in case:  # reverse-only rules
-        assert_trees_close(jax.jvp(loss, (0.7,), (1.0,))[1], expected, **TOL)
+    forward = "custom_vjp" not in case and "doubling" not in case  # reverse-only rules
+
+    # In one program; the Python float stays a Python float inside it, the primal of
+    # the tracer that `grad` and `jvp` make.
+    @jax.jit
+    def derivatives():
+        expected = jax.grad(loss)(jnp.asarray(0.7))
+        tangent = jax.jvp(loss, (0.7,), (1.0,))[1] if forward else expected
+        return expected, jax.grad(loss)(0.7), tangent
+
+    expected, grad, tangent = derivatives()
+    assert_trees_close(grad, expected, **TOL)
+    assert_trees_close(tangent, expected, **TOL)
     if case[0] == "krylov":
         # sum_k t^k <c_k, M^k x0>, differentiated: sum_k k t^(k-1) <c_k, M^k x0>.
         powers = [jnp.linalg.matrix_power(M_T, k) @ X0_T for k in range(D)]
