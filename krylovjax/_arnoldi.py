@@ -8,12 +8,13 @@ $$w^{(0)} = A q_k, \quad h^{(1)} = Q_k^H w^{(0)}, \quad
   w^{(1)} = w^{(0)} - Q_k h^{(1)}, \quad h^{(2)} = Q_k^H w^{(1)}, \quad
   w^{(2)} = w^{(1)} - Q_k h^{(2)},$$
 
-(the second pass only with `reorthogonalize=True`), $H_{:k, k} = h^{(1)} +
-h^{(2)}$, $\beta_k = H_{k+1, k} = \|w^{(2)}\|$ and $q_{k+1} = w^{(2)} / \beta_k$
-(at the last step the residual $r = w^{(2)}$). $Q_k$ is the preallocated basis
-buffer, whose columns beyond $k$ are still zero, so each pass is one
-matrix-vector product with the whole buffer and nothing is masked. Breakdown
-(`_orthogonal.py`): $\beta_k = 0$ and $q_{k+1} = 0$.
+(the second pass only with `reorthogonalize=True`), $H_{:k, k} = h^{(1)} + h^{(2)}$,
+$\beta_k = H_{k+1, k} = \|w^{(2)}\|$ and $q_{k+1} = w^{(2)} / \beta_k$ (at the last
+step the residual $r = w^{(2)}$). $Q_k$ is the preallocated basis buffer, whose
+columns beyond $k$ are still zero, so each pass is one matrix-vector product with
+the whole buffer and nothing is masked. Breakdown (`_orthogonal.py`): $\beta_k = 0$
+and $q_{k+1} = 0$. The norms $\nu$ and $\beta_k$ are scaled against over- and
+underflow, and a problem in bfloat16 or float16 runs in float32 (`_orthogonal.py`).
 
 **Tangents** (`arnoldi_tangent`). Differentiating each line, with $m_k$ the mask
 of the first $k+1$ entries,
@@ -86,12 +87,12 @@ from ._orthogonal import (
     check_problem,
     combine,
     conj,
+    decompose,
     derivative_rule,
     next_adjoint,
     next_tangent,
     next_vector,
     normalize,
-    on_mesh,
     operator_tangent,
     project,
 )
@@ -190,6 +191,16 @@ def arnoldi(
     $f(H) e_0$ sees only the leading $(k+1) \times (k+1)$ block, which is exact. A
     zero `x0` gives all zeros. Values and derivatives stay finite.
 
+    **Range and precision.** Norms are computed scaled, as BLAS `nrm2` computes
+    them, so that no square over- or underflows: `A` or `x0` scaled by any factor
+    within the dtype's range gives the scaled decomposition, with the same basis
+    and derivatives scaled alike. A dtype narrower than float32 (bfloat16,
+    float16) is computed in float32, where the breakdown test above is
+    meaningful: a matrix is cast to float32, a callable is still called on
+    vectors of its own dtype (and its result cast to float32), and every output
+    is returned in the dtype of the input. Derivatives pass through the casts,
+    and the reverse pass is the rule above, run in float32.
+
     !!! Example
 
         ```python
@@ -206,15 +217,31 @@ def arnoldi(
 
         ```
     """
+    return _run_arnoldi(A, x0, d, reorthogonalize, adjoint, rounded=True)
+
+
+def arnoldi_in_working_dtype(
+    A: OperatorLike,
+    x0: Inexact[Array | np.ndarray, " n"],
+    d: StaticInt,
+    *,
+    reorthogonalize: bool = True,
+    adjoint: Adjoint = "custom_jvp",
+) -> Arnoldi:
+    r"""[`krylovjax.arnoldi`][] with its outputs left in the dtype it computes in
+    (`_orthogonal.working_dtype`): float32 for a bfloat16 or float16 problem.
+
+    For the functions built on it: a function of $H$ amplifies the rounding of
+    $H$ to the half dtype, which they avoid by rounding only their own result."""
+    return _run_arnoldi(A, x0, d, reorthogonalize, adjoint, rounded=False)
+
+
+def _run_arnoldi(A, x0, d, reorthogonalize, adjoint, *, rounded: bool) -> Arnoldi:
     operator, x0, d = check_problem(A, x0, d, reorthogonalize, adjoint, "arnoldi")
     reorth = bool(reorthogonalize)
     rule = arnoldi_forward if adjoint == "autodiff" else arnoldi_custom_jvp
-    Q, H, r, nu = on_mesh(
-        lambda operator, x0: rule(operator, x0, d, reorth),
-        operator,
-        x0,
-        ("rows", "small", "vector", "small"),
-    )
+    kinds = ("rows", "small", "vector", "small")
+    Q, H, r, nu = decompose(rule, operator, x0, d, reorth, kinds, rounded=rounded)
     return Arnoldi(basis=Q.T, hessenberg=H, residual=r, norm=nu)
 
 

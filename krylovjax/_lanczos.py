@@ -10,11 +10,12 @@ $$u = A q_k - \beta_{k-1} q_{k-1}, \quad
   c = Q_k^H w^{(1)}, \quad w^{(2)} = w^{(1)} - Q_k c,$$
 
 (the last two only with `reorthogonalize=True`: the three-term recurrence is a
-first, local Gram-Schmidt pass, and a classical Gram-Schmidt pass against the
-whole preallocated basis buffer is the second; $c$ is rounding-sized and is not
-kept), $\beta_k = \|w^{(2)}\|$ and $q_{k+1} = w^{(2)} / \beta_k$ (at the last step
-the residual $r = w^{(2)}$). Breakdown (`_orthogonal.py`): $\beta_k = 0$ and
-$q_{k+1} = 0$.
+first, local Gram-Schmidt pass, and a classical Gram-Schmidt pass against the whole
+preallocated basis buffer is the second; $c$ is rounding-sized and is not kept),
+$\beta_k = \|w^{(2)}\|$ and $q_{k+1} = w^{(2)} / \beta_k$ (at the last step the
+residual $r = w^{(2)}$). Breakdown (`_orthogonal.py`): $\beta_k = 0$ and
+$q_{k+1} = 0$. The norms $\nu$ and $\beta_k$ are scaled against over- and
+underflow, and a problem in bfloat16 or float16 runs in float32 (`_orthogonal.py`).
 
 **Tangents** (`lanczos_tangent`). Differentiating each line,
 
@@ -89,12 +90,12 @@ from ._orthogonal import (
     check_problem,
     combine,
     conj,
+    decompose,
     derivative_rule,
     next_adjoint,
     next_tangent,
     next_vector,
     normalize,
-    on_mesh,
     operator_tangent,
     project,
     real_dot,
@@ -215,6 +216,16 @@ def lanczos(
     are zero: $T$ is block diagonal and $f(T) e_0$ sees only its exact leading
     block. A zero `x0` gives all zeros. Values and derivatives stay finite.
 
+    **Range and precision.** Norms are computed scaled, as BLAS `nrm2` computes
+    them, so that no square over- or underflows: `A` or `x0` scaled by any factor
+    within the dtype's range gives the scaled decomposition, with the same basis
+    and derivatives scaled alike. A dtype narrower than float32 (bfloat16,
+    float16) is computed in float32, where the breakdown test above is
+    meaningful: a matrix is cast to float32, a callable is still called on
+    vectors of its own dtype (and its result cast to float32), and every output
+    is returned in the dtype of the input. Derivatives pass through the casts,
+    and the reverse pass is the rule above, run in float32.
+
     !!! Example
 
         ```python
@@ -231,17 +242,40 @@ def lanczos(
         Array([[1., 0., 0.],
                [0., 1., 0.],
                [0., 0., 1.]], dtype=float32)
+        >>> # In bfloat16: computed in float32, returned in bfloat16.
+        >>> half = krylovjax.lanczos(A.astype(jnp.bfloat16), x0.astype(jnp.bfloat16), 3)
+        >>> half.diagonal, half.off_diagonal
+        (Array([2, 3, 4], dtype=bfloat16), Array([1, 1], dtype=bfloat16))
 
         ```
     """
+    return _run_lanczos(A, x0, d, reorthogonalize, adjoint, rounded=True)
+
+
+def lanczos_in_working_dtype(
+    A: OperatorLike,
+    x0: Inexact[Array | np.ndarray, " n"],
+    d: StaticInt,
+    *,
+    reorthogonalize: bool = True,
+    adjoint: Adjoint = "custom_jvp",
+) -> Lanczos:
+    r"""[`krylovjax.lanczos`][] with its outputs left in the dtype it computes in
+    (`_orthogonal.working_dtype`): float32 for a bfloat16 or float16 problem.
+
+    For the functions built on it: a function of $T$ amplifies the rounding of
+    $T$ to the half dtype (at eigenvalues near 11, $e^\lambda$ off by 1.5
+    bfloat16 epsilons), which they avoid by rounding only their own result."""
+    return _run_lanczos(A, x0, d, reorthogonalize, adjoint, rounded=False)
+
+
+def _run_lanczos(A, x0, d, reorthogonalize, adjoint, *, rounded: bool) -> Lanczos:
     operator, x0, d = check_problem(A, x0, d, reorthogonalize, adjoint, "lanczos")
     reorth = bool(reorthogonalize)
     rule = lanczos_forward if adjoint == "autodiff" else lanczos_custom_jvp
-    Q, alpha, beta, r, nu = on_mesh(
-        lambda operator, x0: rule(operator, x0, d, reorth),
-        operator,
-        x0,
-        ("rows", "small", "small", "vector", "small"),
+    kinds = ("rows", "small", "small", "vector", "small")
+    Q, alpha, beta, r, nu = decompose(
+        rule, operator, x0, d, reorth, kinds, rounded=rounded
     )
     return Lanczos(basis=Q.T, diagonal=alpha, off_diagonal=beta, residual=r, norm=nu)
 

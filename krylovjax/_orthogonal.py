@@ -1,9 +1,12 @@
-r"""What `arnoldi` and `lanczos` share: checks, breakdown, and the derivative rule.
+r"""What `arnoldi` and `lanczos` share: checks, dtypes, breakdown, and the derivative
+rule.
 
 Both build an orthonormal basis $Q = [q_0, \dots, q_{d-1}]$ of the Krylov space of
 $A$ and $x_0$ by one `lax.scan`. They share:
 
-- the argument checks (`check_problem`);
+- the argument checks and the choice of the dtype to compute in
+  (`check_problem`, which the functions built on the decompositions call too),
+  and running a decomposition in it (`decompose`);
 - the first vector, $\nu = \|x_0\|$, $q_0 = x_0 / \nu$, and the normalisation of
   every new vector, with its breakdown rule (`next_vector`), its tangent and its
   adjoint (`next_tangent`, `next_adjoint`);
@@ -13,18 +16,44 @@ $A$ and $x_0$ by one `lax.scan`. They share:
   transpose is the method's reverse scan followed by one batched product for the
   operator's gradient.
 
+**Norms.** Every norm (`safe_norm`: $\nu$, $\beta_k$ and the breakdown scale
+$\|A q_k\|$) is scaled as BLAS `nrm2` is: the vector is multiplied by a power of
+two near the reciprocal of its largest entry before the squares are summed, so no
+square over- or underflows, and a problem scaled by any factor within the dtype's
+range gives the scaled decomposition ($A \to sA$ scales $H$ and $r$, $x_0 \to s
+x_0$ scales $\nu$; $Q$ is unchanged). The power of two is exact, so where the
+squares fit the result has the bits of the unscaled sum. Every division is by a
+norm (`quotient`), made by a power of two of the same size: JAX's rule for a
+quotient multiplies by the square of the divisor, and so the derivatives of every
+order, JAX's (`adjoint="autodiff"`, `jax.hessian`) and the hand-written ones,
+stay in range too. Everything else is an inner product with a unit vector or a
+linear combination, homogeneous in the scale.
+
+**Dtypes.** A problem in a floating dtype narrower than float32 (bfloat16,
+float16) is decomposed in float32 (`working_dtype`). In the half dtype the
+breakdown threshold below would be $0.78 \|A q_k\|$ (bfloat16) or $0.1 \|A
+q_k\|$ (float16), which drops genuine new directions: with a spectrum in $[10,
+12]$ every $w_k$ is under it, and the basis stops after one vector. A dense or
+BCOO matrix is cast to float32; a callable is wrapped so that it still receives
+and returns vectors of its own dtype (a half-precision model keeps running in
+it); every output is cast back to the problem's dtype. The casts lie outside the
+derivative rule, so JAX differentiates them and the rule runs in float32. Other
+dtypes are computed in themselves.
+
 **Breakdown.** A new vector $w_k$ (what remains of $A q_k$ after the
 orthogonalisation) whose norm is at most `BREAKDOWN` $\cdot\, \varepsilon \,
-\|A q_k\|$ ($\varepsilon$ the dtype's machine epsilon) is numerically zero: the
-Krylov space is invariant under $A$ (to rounding) after $k + 1$ vectors. Then
-$q_{k+1} = 0$ and the subdiagonal entry is $0$, so every later vector and
-coefficient is zero too, and $A Q = Q H + r e_{d-1}^\top$ still holds (up to the
-dropped $w_k$). A zero $x_0$ gives $\nu = 0$ and an all-zero result. The threshold
-is relative to $\|A q_k\|$ because the rounding error of the orthogonalisation is:
-with `reorthogonalize=True` the computed $w_k$ of an invariant space is a few
-$\varepsilon \|A q_k\|$ long, well under the threshold, while a genuine new
-direction that short could not be resolved in the dtype anyway. Divisions use the
-double-`where` trick, so values and derivatives stay finite.
+\|A q_k\|$ ($\varepsilon$ the machine epsilon of the dtype computed in) is
+numerically zero: the Krylov space is invariant under $A$ (to rounding) after
+$k + 1$ vectors. Then $q_{k+1} = 0$ and the subdiagonal entry is $0$, so every
+later vector and coefficient is zero too, and $A Q = Q H + r e_{d-1}^\top$ still
+holds (up to the dropped $w_k$). A zero $x_0$ gives $\nu = 0$ and an all-zero
+result. The threshold is relative to $\|A q_k\|$ because the rounding error of the
+orthogonalisation is: with `reorthogonalize=True` the computed $w_k$ of an
+invariant space is a few $\varepsilon \|A q_k\|$ long, well under the threshold,
+while a genuine new direction that short could not be resolved in the dtype
+anyway: $100\,\varepsilon$ is $1.2 \cdot 10^{-5}$ in float32 and $2.2 \cdot
+10^{-14}$ in float64. It is the only tolerance of the decompositions. Divisions
+use the double-`where` trick, so values and derivatives stay finite.
 
 **Conventions for complex numbers.** Inner products conjugate their first
 argument, $\langle a, b \rangle = a^H b$. The maths of the adjoints is written with
@@ -44,11 +73,18 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
+from jax.experimental import sparse
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
-from ._operator import AbstractOperator, as_operator
+from ._operator import (
+    AbstractOperator,
+    DenseOperator,
+    FunctionOperator,
+    SparseOperator,
+    as_operator,
+)
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
 # The derivative rules `arnoldi` and `lanczos` offer, by their `adjoint=` names.
@@ -57,6 +93,21 @@ ADJOINTS: tuple[Adjoint, ...] = ("custom_jvp", "autodiff")
 
 # A new vector shorter than this many machine epsilons times ||A q_k|| is zero.
 BREAKDOWN = 100
+
+
+# Problems in a floating dtype of fewer bits are decomposed in this one.
+LEAST_BITS = 32
+
+
+def working_dtype(dtype: Any) -> np.dtype:
+    """The dtype in which `arnoldi` and `lanczos` compute a problem in `dtype`:
+    float32 for a real floating dtype narrower than it (bfloat16, float16), whose
+    `BREAKDOWN` epsilons would be most of a vector's length; `dtype` itself
+    otherwise."""
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < LEAST_BITS:
+        return np.dtype(np.float32)
+    return dtype
 
 
 def check_problem(
@@ -71,7 +122,13 @@ def check_problem(
 ) -> tuple[AbstractOperator, Array, int]:
     """Check the arguments of `arnoldi` or `lanczos` (or of a function built on
     them, whose starting vector is called `vector`, and whose n is `length`, by
-    default the length of `vector`); return them in internal form."""
+    default the length of `vector`); return them in internal form.
+
+    `x0` comes back in the problem's dtype (`A`'s and `x0`'s, promoted), the dtype
+    of every output; the operator computes in `working_dtype` of it, the one
+    place where that is decided: a matrix is cast, a callable is wrapped so that
+    it still receives and returns the problem's dtype. `decompose` casts `x0` and
+    the outputs."""
     if not isinstance(reorthogonalize, bool | np.bool_):
         msg = (
             f"`{fn_name}(reorthogonalize=...)` must be a bool; got "
@@ -97,7 +154,44 @@ def check_problem(
             f"length-{n} vectors has at most {n} of them); got {d}."
         )
         raise ValueError(msg)
-    return operator, x0, d
+    return _in_dtype(operator, working_dtype(x0.dtype)), x0, d
+
+
+class _Cast(eqx.Module):
+    r"""A callable of vectors in `dtype`, applied to vectors of another dtype:
+    $v \mapsto$ `fn(v.astype(dtype)).astype(v.dtype)` (differentiable)."""
+
+    fn: Callable[[Array], Array]
+    dtype: np.dtype = eqx.field(static=True)
+
+    def __call__(self, v: Array) -> Array:
+        return self.fn(v.astype(self.dtype)).astype(v.dtype)
+
+
+def _in_dtype(operator: AbstractOperator, dtype: np.dtype) -> AbstractOperator:
+    """`operator` (as `as_operator` makes it) computing in `dtype`."""
+    if isinstance(operator, DenseOperator):
+        if operator.matrix.dtype == dtype:
+            return operator
+        return DenseOperator(operator.matrix.astype(dtype))
+    if isinstance(operator, SparseOperator):
+        matrix = operator.matrix
+        if matrix.data.dtype == dtype:
+            return operator
+        data = matrix.data.astype(dtype)
+        cast = sparse.BCOO(
+            (data, matrix.indices),
+            shape=matrix.shape,
+            indices_sorted=matrix.indices_sorted,
+            unique_indices=matrix.unique_indices,
+        )
+        return SparseOperator(cast, operator.transposed)
+    assert isinstance(operator, FunctionOperator)
+    structure = operator.in_structure
+    if structure.dtype == dtype:
+        return operator
+    fn = _Cast(operator.fn, np.dtype(structure.dtype))
+    return FunctionOperator(fn, structure.update(dtype=dtype))
 
 
 def _on_explicit_mesh(tree: Any) -> bool:
@@ -146,6 +240,34 @@ def on_mesh(
         return run(operator, x0)
 
 
+def decompose(
+    rule: Callable[[AbstractOperator, Array, int, bool], tuple[Array, ...]],
+    operator: AbstractOperator,
+    x0: Array,
+    d: int,
+    reorth: bool,
+    kinds: tuple[OutputKind, ...],
+    *,
+    rounded: bool = True,
+) -> tuple[Array, ...]:
+    """`rule(operator, x0, d, reorth)` for `check_problem`'s outputs: run in the
+    operator's `working_dtype` (through `on_mesh`), every output returned in
+    `x0`'s dtype (its real dtype for the real outputs), or left in the working
+    dtype if not `rounded`."""
+    dtype = x0.dtype
+    work = working_dtype(dtype)
+    out = on_mesh(
+        lambda operator, x0: rule(operator, x0, d, reorth),
+        operator,
+        x0.astype(work),
+        kinds,
+    )
+    if work == dtype or not rounded:
+        return out
+    real = jnp.finfo(dtype).dtype
+    return tuple(y.astype(dtype if jnp.iscomplexobj(y) else real) for y in out)
+
+
 # ------------------------------------------------------------- small pieces
 
 
@@ -175,21 +297,61 @@ def as_dtype(x: Array, like: Array) -> Array:
     return x.astype(like.dtype)
 
 
+def _powers_of_two(x: Array) -> tuple[Array, Array]:
+    r"""$(2^k, 2^{-k})$ for the smallest $k$ with $|x_i| < 2^k$ for every real and
+    imaginary part, as constants (no derivative), with $k$ clipped so that both
+    are normal numbers (its least value for a zero or subnormal `x`; $k = 0$ for
+    an infinite or NaN entry, which the norm then keeps).
+
+    Exact: scaling by a power of two changes no bits, so a norm scaled by it
+    equals the unscaled one to the last bit wherever the unscaled squares neither
+    over- nor underflow."""
+    real = jnp.finfo(x.dtype).dtype
+    magnitude = jnp.abs(jnp.real(x))
+    if jnp.iscomplexobj(x):
+        magnitude = jnp.maximum(magnitude, jnp.abs(jnp.imag(x)))
+    # largest = m 2^k with m in [1/2, 1), so largest < 2^k.
+    _, k = jnp.frexp(lax.stop_gradient(jnp.max(magnitude, initial=0)))
+    least = jnp.finfo(real).minexp
+    k = jnp.clip(k, least, -least)
+    one = jnp.ones((), real)
+    return jnp.ldexp(one, k), jnp.ldexp(one, -k)
+
+
 def safe_norm(x: Array) -> Array:
     """`||x||`, with derivative 0 (not NaN) at `x = 0`; a NaN in `x` gives NaN.
 
+    Scaled as BLAS `nrm2` is, so that no square over- or underflows: `x` is
+    divided by a power of two just above its largest entry (`_powers_of_two`)
+    before the squares are summed, and the root multiplied back. The scale is a
+    constant for the derivative, which is exact: it is piecewise constant in `x`.
     The masks below test `!= 0` (true for NaN), never `> 0`: a NaN in the input
     must reach the output rather than be taken for a breakdown."""
-    squares = jnp.sum(jnp.real(x * conj(x)))
+    up, down = _powers_of_two(x)
+    squares = jnp.sum(jnp.square(jnp.real(x) * down))
+    if jnp.iscomplexobj(x):
+        squares = squares + jnp.sum(jnp.square(jnp.imag(x) * down))
     nonzero = squares != 0
-    return jnp.where(nonzero, jnp.sqrt(jnp.where(nonzero, squares, 1)), 0)
+    return jnp.where(nonzero, up * jnp.sqrt(jnp.where(nonzero, squares, 1)), 0)
+
+
+def quotient(x: Array, y: Array) -> Array:
+    r"""$x / y$ for a real scalar $y$ (a norm), as $(2^{-k} x) / (2^{-k} y)$ with
+    $2^k$ the power of two just above $|y|$ (`_powers_of_two`, a constant).
+
+    The same bits as $x / y$, but derivatives that stay finite at any order and
+    in either mode: JAX's rule for a quotient multiplies by the square of the
+    divisor, which over- or underflows where $|y|$ is beyond the square root of
+    the dtype's range, and here the divisor is $2^{-k} y \in [1/2, 1)$."""
+    _, down = _powers_of_two(y)
+    return (x * as_dtype(down, x)) / as_dtype(y * down, x)
 
 
 def normalize(x0: Array) -> tuple[Array, Array]:
     r"""$(\nu, q_0) = (\|x_0\|, x_0 / \|x_0\|)$, and $(0, 0)$ for a zero $x_0$."""
     nu = safe_norm(x0)
     ok = nu != 0
-    q0 = jnp.where(ok, x0 / as_dtype(jnp.where(ok, nu, 1), x0), 0)
+    q0 = jnp.where(ok, quotient(x0, jnp.where(ok, nu, 1)), 0)
     return nu, q0
 
 
@@ -201,7 +363,7 @@ def next_vector(w: Array, w0: Array) -> tuple[Array, Array]:
     beta = safe_norm(w)
     ok = ~(beta <= BREAKDOWN * eps * scale)
     beta = jnp.where(ok, beta, 0)
-    q = jnp.where(ok, w / as_dtype(jnp.where(ok, beta, 1), w), 0)
+    q = jnp.where(ok, quotient(w, jnp.where(ok, beta, 1)), 0)
     return beta, q
 
 
@@ -211,8 +373,8 @@ def next_tangent(q: Array, beta: Array, t_w: Array) -> tuple[Array, Array]:
     $\dot q = (\dot w - q \dot\beta) / \beta$; both zero at breakdown ($\beta = 0$)."""
     ok = beta != 0
     t_beta = jnp.where(ok, real_dot(q, t_w), 0)
-    safe = as_dtype(jnp.where(ok, beta, 1), q)
-    t_q = jnp.where(ok, (t_w - q * as_dtype(t_beta, q)) / safe, 0)
+    safe = jnp.where(ok, beta, 1)
+    t_q = jnp.where(ok, quotient(t_w - q * as_dtype(t_beta, q), safe), 0)
     return t_beta, t_q
 
 
@@ -222,8 +384,8 @@ def next_adjoint(q: Array, beta: Array, g_q: Array, g_beta: Array) -> Array:
     / \beta)\, q$; zero at breakdown."""
     ok = beta != 0
     safe = jnp.where(ok, beta, 1)
-    g_beta = g_beta - jnp.where(ok, real_dot(q, g_q) / safe, 0)
-    return jnp.where(ok, g_q / as_dtype(safe, q) + q * as_dtype(g_beta, q), 0)
+    g_beta = g_beta - jnp.where(ok, quotient(real_dot(q, g_q), safe), 0)
+    return jnp.where(ok, quotient(g_q, safe) + q * as_dtype(g_beta, q), 0)
 
 
 # `add_outer` updates the buffer this many rows at a time.

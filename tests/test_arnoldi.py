@@ -10,11 +10,14 @@ from helpers import (
     DTYPES,
     arnoldi_numpy,
     decomposition_problem,
+    lanczos_numpy,
+    make_operator,
     random_array,
     random_like,
     unchecked,
     vjps,
 )
+from jax.experimental import sparse
 from jax.test_util import check_grads
 
 import krylovjax
@@ -460,3 +463,162 @@ def test_second_derivatives_match_autodiff(decompose, reorth):
     want = jax.hessian(loss("autodiff"))(x0)
     np.testing.assert_allclose(rev_rev, want, rtol=1e-7, atol=1e-8)
     np.testing.assert_allclose(fwd_rev, want, rtol=1e-7, atol=1e-8)
+
+
+# ------------------------------------------------------- range and precision
+
+# Far beyond the square root of the dtype's range, where squares over- or underflow.
+SCALES = {jnp.float32: 1e20, jnp.float64: 1e200}
+
+
+def _in_unscaled_units(decompose, A, x0, scale_A, scale_x0, **kwargs):
+    """The decomposition's arrays, each divided by the factor that scaling `A` by
+    `scale_A` and `x0` by `scale_x0` multiplies it by."""
+    dec = decompose(A, x0, D, **kwargs)
+    with_A = ("hessenberg", "diagonal", "off_diagonal", "residual")
+    parts = [getattr(dec, name) / scale_A for name in with_A if hasattr(dec, name)]
+    return [dec.basis, *parts, dec.norm / scale_x0]
+
+
+@pytest.mark.parametrize("decompose", [krylovjax.arnoldi, krylovjax.lanczos])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_scaled_problem_gives_the_scaled_decomposition(decompose, dtype):
+    # The norms must not square the entries unscaled: 1e20 ** 2 overflows float32
+    # and 1e-20 ** 2 underflows it, as 1e200 does float64; nor may the derivatives
+    # square a norm (JAX's rule for a quotient does). `A` or `x0` scaled up or
+    # down, one program for all (the scales are arguments).
+    params, _, _, x0 = decomposition_problem("dense", dtype, n=N, hermitian=True)
+    one = jnp.ones((), dtype)
+    cts = random_like(
+        jr.key(12),
+        jax.eval_shape(
+            lambda A, x: _in_unscaled_units(decompose, A, x, 1, 1), params, x0
+        ),
+    )
+
+    @jax.jit
+    def run(A, x0, scale_A, scale_x0):
+        def loss(A, x0, adjoint):
+            parts = _in_unscaled_units(
+                decompose, A, x0, scale_A, scale_x0, adjoint=adjoint
+            )
+            return sum(jnp.sum(c * p) for c, p in zip(cts, parts, strict=True))
+
+        parts = _in_unscaled_units(decompose, A, x0, scale_A, scale_x0)
+        grads = [jax.grad(loss, (0, 1))(A, x0, adjoint) for adjoint in ADJOINTS]
+        return parts, grads
+
+    want, (want_grads, _) = run(params, x0, one, one)
+    tol = _tol(dtype)
+    for scale in (SCALES[dtype], 1 / SCALES[dtype]):
+        s = jnp.asarray(scale, dtype)
+        for scale_A, scale_x0 in ((s, one), (one, s)):
+            got, grads = run(scale_A * params, scale_x0 * x0, scale_A, scale_x0)
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_allclose(a, b, **tol)
+            # Both rules' gradients are the unscaled ones divided by the scale.
+            for rule in grads:
+                for g, w, s_g in zip(
+                    rule, want_grads, (scale_A, scale_x0), strict=True
+                ):
+                    assert np.all(np.isfinite(g))
+                    np.testing.assert_allclose(g * s_g, w, **tol)
+
+
+def _spd_with_spectrum(low, high, n, seed):
+    """A symmetric positive definite (n, n) matrix with eigenvalues evenly spaced in
+    [low, high] and random orthogonal eigenvectors, in float64."""
+    V, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal((n, n)))
+    return V @ np.diag(np.linspace(low, high, n)) @ V.T
+
+
+def _full_operator(kind, A):
+    """`(params, build)` for an operator of `kind` whose matrix is all of `A`."""
+    if kind == "bcoo":
+        B = sparse.BCOO.fromdense(A)
+        return B.data, lambda data: sparse.BCOO((data, B.indices), shape=B.shape)
+    return make_operator(kind, A)
+
+
+def _outputs(dec):
+    small = dec.hessenberg if isinstance(dec, krylovjax.Arnoldi) else dec.matrix()
+    return [dec.basis, small, dec.residual, dec.norm]
+
+
+def _values_and_gradients(decompose, build, cts, d):
+    """A jitted `(params, x0) -> (outputs, gradients)` of `sum(cts * outputs)`."""
+
+    def loss(params, x0):
+        outputs = _outputs(decompose(build(params), x0, d))
+        return sum(
+            jnp.sum(c.astype(y.dtype) * y) for c, y in zip(cts, outputs, strict=True)
+        )
+
+    @jax.jit
+    def run(params, x0):
+        outputs = _outputs(decompose(build(params), x0, d))
+        return outputs, jax.grad(loss, (0, 1))(params, x0)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "decompose,kind,dtype",
+    # Both decompositions in both half dtypes, each operator kind once.
+    [
+        (krylovjax.arnoldi, "dense", jnp.bfloat16),
+        (krylovjax.arnoldi, "closure", jnp.float16),
+        (krylovjax.lanczos, "bcoo", jnp.bfloat16),
+        (krylovjax.lanczos, "dense", jnp.float16),
+    ],
+)
+def test_half_precision_computes_in_float32(decompose, kind, dtype):
+    # In the half dtype itself, a breakdown threshold of 100 epsilons would be 0.78
+    # ||A q_k|| in bfloat16, and this well-conditioned problem would stop after
+    # one vector of eight.
+    n = 8
+    A = jnp.asarray(_spd_with_spectrum(10, 12, n, seed=0), dtype)
+    x0 = jnp.asarray(np.random.default_rng(1).standard_normal(n), dtype)
+    params, build = _full_operator(kind, A)
+    shapes = [(n, n), (n, n), (n,), ()]
+    cts = [
+        random_array(k, s, dtype)
+        for k, s in zip(jr.split(jr.key(13), 4), shapes, strict=True)
+    ]
+    outputs, grads = _values_and_gradients(decompose, build, cts, n)(params, x0)
+    assert all(y.dtype == dtype for y in outputs)
+    Q, small, r, _ = (np.asarray(y, np.float64) for y in outputs)
+    A64, x64 = np.asarray(A, np.float64), np.asarray(x0, np.float64)
+    eps = float(jnp.finfo(dtype).eps)
+    scale = np.linalg.norm(A64, 2)
+    # All eight vectors, orthonormal and satisfying A Q = Q H + r e^T to a few
+    # epsilons of the half dtype (the outputs are rounded to it).
+    np.testing.assert_allclose(Q.T @ Q, np.eye(n), atol=2 * eps)
+    relation = Q @ small + np.outer(r, np.eye(n)[-1])
+    np.testing.assert_allclose(A64 @ Q, relation, atol=2 * eps * scale)
+    if decompose is krylovjax.arnoldi:
+        reference = arnoldi_numpy(A64, x64, n)[1]
+    else:
+        _, alpha, beta, _, _ = lanczos_numpy(A64, x64, n)
+        reference = np.diag(alpha) + np.diag(beta, 1) + np.diag(beta, -1)
+    np.testing.assert_allclose(small, reference, atol=4 * eps * scale)
+    # The gradient is that of the float32 computation (the callable applied in its
+    # own dtype), rounded to the half dtype.
+    if kind == "closure":
+        params32 = params
+
+        def build32(p):
+            return lambda v: build(p)(v.astype(dtype)).astype(jnp.float32)
+
+    else:
+        params32, build32 = params.astype(jnp.float32), build
+    run32 = _values_and_gradients(decompose, build32, cts, n)
+    _, grads32 = run32(params32, x0.astype(jnp.float32))
+    for g, g32 in zip(grads, grads32, strict=True):
+        assert g.dtype == dtype
+        np.testing.assert_allclose(
+            np.asarray(g, np.float64),
+            np.asarray(g32.astype(dtype), np.float64),
+            rtol=eps,
+            atol=eps * float(np.max(np.abs(g32))),
+        )
