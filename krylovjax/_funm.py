@@ -17,7 +17,7 @@ The derivative of $c = f(T)\, e_0$ is written by hand (`_funm_e0`), because JAX'
 rule for `eigh` divides by $\lambda_i - \lambda_j$ and gives `nan` at repeated
 eigenvalues, which a breakdown of Lanczos produces (the block of $T$ after the
 breakdown is zero). With $F_{ij} = f[\lambda_i, \lambda_j]$ the first divided
-differences ($f'(\lambda_i)$ on and near the diagonal), the Daleckii--Krein formula
+differences, the Daleckii--Krein formula
 
 $$\dot c = V \big(F \circ (V^\top \dot T V)\big) V^\top e_0
   + V \operatorname{diag}(\partial_\theta f(\lambda))\, V^\top e_0$$
@@ -25,10 +25,26 @@ $$\dot c = V \big(F \circ (V^\top \dot T V)\big) V^\top e_0
 holds for repeated eigenvalues as for distinct ones; the second term is the
 derivative with respect to arrays $\theta$ that `f` closes over (a diffusion time,
 say). It is a JVP rule, linear in the tangents, so JAX transposes it for reverse
-mode. Eigenpairs invisible from $e_0$ (their first eigenvector entry below the
-machine epsilon, as after a breakdown) do not contribute to $c$; they are evaluated
-at the Rayleigh quotient $T_{00}$ instead of their own eigenvalue, so that an `f`
-that is infinite there (a logarithm at 0) cannot turn $0 \cdot \infty$ into `nan`.
+mode. Each $F_{ij}$ is the quotient $(f_i - f_j) / (\lambda_i - \lambda_j)$ or the
+mean of $f'_i$ and $f'_j$, whichever has the smaller estimated error
+(`_divided_differences`).
+
+**What $e_0$ does not see.** When the Krylov space is invariant after $k < d$
+vectors (a breakdown), the rest of the small matrix is invisible from $e_0$, but
+`f` is evaluated there too, and an `f` that is infinite there turns
+$0 \cdot \infty$ into `nan`. Lanczos: eigenpairs whose
+first eigenvector entry is below the machine epsilon are evaluated at the visible
+Ritz value of largest weight instead of their own eigenvalue, a point where `f` is
+finite whenever the result is. Arnoldi: the block after the first zero subdiagonal
+entry of $H$ is replaced by $c I$, decoupled from the visible block $H_{11}$, which
+leaves $f(H) e_0 = (f(H_{11}) e_0, 0)$ unchanged; $c$ is the first of
+$\|H_{11}\|_F$, $H_{00}$ and $-\|H_{11}\|_F$ at which $f(cI)$ is finite
+(`_hidden_point`, which says why these three).
+
+**Half precision.** For bfloat16 and float16 inputs the small matrix is worked in
+float32 (`eigh` and `expm` have no half-precision kernels, and an eigenvalue near
+10 rounded to bfloat16 is off by up to 1/32, $e^{\lambda}$ by 3 percent), and a
+real result is rounded to the input's dtype at the end.
 """
 
 from collections.abc import Callable
@@ -44,18 +60,19 @@ from jax import lax
 from jax.experimental import sparse
 from jaxtyping import Array, Inexact, PRNGKeyArray
 
-from ._arnoldi import arnoldi
+from ._arnoldi import arnoldi_in_working_dtype
 from ._checks import (
     as_array,
+    check_allocation,
     check_choice,
     check_depth,
     check_inexact,
     check_size,
     standard_result_type,
 )
-from ._lanczos import lanczos
+from ._lanczos import lanczos_in_working_dtype
 from ._operator import check_operator_type, closure_convert
-from ._orthogonal import Adjoint, check_problem
+from ._orthogonal import Adjoint, check_problem, working_dtype
 from ._typing import OperatorLike, StaticInt
 
 METHODS = ("lanczos", "arnoldi")
@@ -115,9 +132,13 @@ def funm_action(
     - `f`: the function, as the table above says. With `method="lanczos"` it is
         called once on the `(d,)` real eigenvalues of $T$ and must return `(d,)`
         values, real or complex, computed elementwise (its derivative is taken
-        elementwise); with `method="arnoldi"` it is called on the `(d, d)` matrix
-        $H$ and must return a `(d, d)` array. It may close over arrays (a time
-        step, a shift): gradients reach them.
+        elementwise); a matrix function raises a `ValueError` here, naming `f`.
+        With `method="arnoldi"` it is called on the `(d, d)` matrix $H$ and must
+        return a `(d, d)` array; it is also called, batched by `jax.vmap` and not
+        differentiated, on the three matrices $c I$ of the breakdown rule below.
+        It may close over arrays (a time step, a shift): gradients reach them.
+        For bfloat16 and float16 inputs it is called on float32 arrays (JAX has no
+        half-precision `eigh` or `expm`).
     - `A`: the operator, any kind [`krylovjax.krylov`][] accepts: a square array, a
         `jax.experimental.sparse.BCOO` matrix, or a linear callable. With
         `method="lanczos"` it must be symmetric (real) or Hermitian (complex); this
@@ -141,12 +162,36 @@ def funm_action(
     **Returns:**
 
     $f(A)\, b$ approximated from $d$ vectors, shape `(n,)`, in the dtype that the
-    basis and $f$'s values promote to. Differentiable (forward and reverse mode) in
+    basis and $f$'s values promote to; for bfloat16 and float16 inputs the small
+    matrix is worked in float32 and a real result rounded to the input's dtype at
+    the end (a complex one is complex64). Differentiable (forward and reverse mode) in
     the arrays `A` holds, in `b`, and in the arrays `f` closes over. With
     `method="lanczos"` the first derivatives of the $d \times d$ part have a rule
     of their own that stays finite and exact at repeated eigenvalues of $T$ (after a
     breakdown), where JAX's rule for `eigh` gives `nan`; second derivatives
     (`jax.hessian`) go through JAX's rule, so they need distinct eigenvalues.
+
+    **Breakdown.** When the Krylov space is invariant after $k < d$ vectors, the
+    rest of the small matrix is invisible from $e_0$ (zero after the breakdown), yet
+    `f` is evaluated there too, and an `f` that is infinite there (`1 / x`,
+    `jnp.log`, `jnp.linalg.inv` at 0) would turn the result into `nan`. So what
+    $e_0$ does not see is replaced, which leaves the result exact:
+
+    - Lanczos: each eigenvalue of $T$ whose eigenvector has a first entry below
+        the machine epsilon is evaluated at the visible Ritz value of largest
+        weight, where `f` is evaluated anyway. (The Rayleigh quotient $T_{00}$
+        would not do: it is 0 for a vertex of a bipartite graph.)
+    - Arnoldi: the block of $H$ after its first zero subdiagonal entry is replaced
+        by $c I$, decoupled from the visible block $H_{11}$, which leaves
+        $f(H) e_0 = (f(H_{11}) e_0, 0)$ unchanged. $c$ is the first of
+        $\|H_{11}\|_F$, $H_{00}$ and $-\|H_{11}\|_F$ at which $f(c I)$ is finite.
+        The first is real, positive and at least the spectral radius, so `inv`,
+        `log` and `sqrtm` are finite there (also for a bipartite graph, whose $H$
+        has a zero diagonal, and for complex eigenvalues); the second is in the
+        numerical range, where `expm` does not overflow when the first does
+        (large negative eigenvalues); the third is the last resort. An
+        eigenvalue of $H_{11}$ would always do, but takes `eig`, which JAX runs on
+        the CPU only.
 
     At a breakdown the derivatives are those of the invariant space found: exact
     for perturbations that keep it invariant (every nearby `b` when $A$ has at most
@@ -193,24 +238,34 @@ def funm_action(
     # For a zero `b` the small matrix is evaluated as the identity instead (its
     # result is multiplied by zero): f(0) may be infinite, log(0) say.
     if method == "lanczos":
-        dec = lanczos(A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
+        dec = lanczos_in_working_dtype(
+            A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint
+        )
+        work = _working_dtype(dec.diagonal.dtype)
         nonzero = dec.norm != 0
         diagonal = jnp.where(nonzero, dec.diagonal, jnp.ones_like(dec.diagonal))
         off_diagonal = jnp.where(
             nonzero, dec.off_diagonal, jnp.zeros_like(dec.off_diagonal)
         )
-        fn = _scalar_function(f, jnp.zeros_like(diagonal), arg)
+        diagonal, off_diagonal = diagonal.astype(work), off_diagonal.astype(work)
+        fn = _scalar_function(f, jnp.zeros_like(diagonal), arg, _MATRIX_FUNCTION_HINT)
         coefficients = _funm_e0(fn, diagonal, off_diagonal)
     else:
-        square = jax.ShapeDtypeStruct((d, d), b_promoted.dtype)
+        work = _working_dtype(b_promoted.dtype)
+        square = jax.ShapeDtypeStruct((d, d), work)
         what = f"the ({d}, {d}) matrix H to a ({d}, {d}) array"
         _check_output(jax.eval_shape(f, square), (d, d), arg, what)
-        dec = arnoldi(A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
-        H = jnp.where(dec.norm != 0, dec.hessenberg, jnp.eye(d, dtype=square.dtype))
-        coefficients = f(H)[:, 0]
+        dec = arnoldi_in_working_dtype(
+            A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint
+        )
+        H = jnp.where(
+            dec.norm != 0, dec.hessenberg.astype(work), jnp.eye(d, dtype=work)
+        )
+        coefficients = _matrix_function_e0(f, H)
     dtype = standard_result_type(dec.basis.dtype, coefficients.dtype)
     scaled = coefficients.astype(dtype) * dec.norm.astype(dtype)
-    return dec.basis.astype(dtype) @ scaled
+    y = dec.basis.astype(dtype) @ scaled
+    return y.astype(_result_dtype(b_promoted.dtype, coefficients.dtype))
 
 
 def trace_funm(
@@ -277,7 +332,9 @@ def trace_funm(
         real dtype of the operator, so the same key gives the same probes.
     - `d`: the number of Lanczos steps per probe, a static Python int,
         `1 <= d <= n`.
-    - `num_probes`: the number $m$ of probes, a static Python `int >= 1`.
+    - `num_probes`: the number $m$ of probes, a static Python `int >= 1`. The $m$
+        bases are built at once: a batch that does not fit in memory raises a
+        `ValueError` naming `num_probes` before anything runs.
     - `sampler`: the probe distribution, `"rademacher"` (default; entries $\pm 1$,
         the smallest variance of the three for most $f(A)$), `"normal"` or
         `"sphere"` (normalised Gaussian).
@@ -290,8 +347,12 @@ def trace_funm(
     **Returns:**
 
     The estimate, a scalar of $f$'s dtype promoted with the real dtype of $A$:
-    real for a real-valued $f$. Differentiable (forward and reverse mode) in the
-    arrays `A` holds and those `f` closes over.
+    real for a real-valued $f$. For bfloat16 and float16 operators the quadratures
+    are worked in float32 (`f` is called on float32 eigenvalues) and a real
+    estimate is rounded to the operator's dtype at the end. Differentiable (forward
+    and reverse mode) in the arrays `A` holds and those `f` closes over, also when
+    a probe's Krylov space is invariant after fewer than $d$ vectors (see
+    `funm_action`'s breakdown rule).
 
     !!! Example
 
@@ -325,25 +386,39 @@ def trace_funm(
     check_problem(
         A, probe, d, reorthogonalize, adjoint, fn_name, "like", "the size of the probes"
     )
+    # The m bases are built at once (one vmapped Lanczos run): checked before
+    # anything is traced, so that too many probes name `num_probes` rather than
+    # fail in XLA's allocator.
+    check_allocation(
+        (num_probes, n, d),
+        _working_dtype(dtype),
+        f"{fn_name}(num_probes=...)",
+        f"the batch of {num_probes} Lanczos bases (one ({n}, {d}) basis per probe)",
+    )
     real = jnp.finfo(dtype).dtype
+    work = _working_dtype(real)
     probes = _draw(key, sampler, num_probes, n, real).astype(dtype)
     arg = f"{fn_name}(f=...)"
 
     def tridiagonal(z):
-        dec = lanczos(A, z, d, reorthogonalize=reorthogonalize, adjoint=adjoint)
+        dec = lanczos_in_working_dtype(
+            A, z, d, reorthogonalize=reorthogonalize, adjoint=adjoint
+        )
         return dec.diagonal, dec.off_diagonal, dec.norm
 
     def quadrature(run):
-        diagonal, off_diagonal, norm = run
+        diagonal, off_diagonal, norm = (x.astype(work) for x in run)
         fn = _scalar_function(f, jnp.zeros_like(diagonal), arg)
         c = _funm_e0(fn, diagonal, off_diagonal)[0]
-        return (norm * norm).astype(c.dtype) * c
+        out = standard_result_type(c.dtype, work)
+        return (norm * norm).astype(out) * c.astype(out)
 
     # The Lanczos runs are batched; the small eigendecompositions run one at a time.
     # jaxlib's batched `eigh` on CPU splits its batch over the thread pool that runs
     # it and waits there for the parts: two at once (a value and a derivative in one
     # program, on two cores) can wait on each other forever. One matrix runs inline.
-    return jnp.mean(lax.map(quadrature, jax.vmap(tridiagonal)(probes)))
+    terms = lax.map(quadrature, jax.vmap(tridiagonal)(probes))
+    return jnp.mean(terms).astype(_result_dtype(real, terms.dtype))
 
 
 # ------------------------------------------------------------- the small matrix
@@ -402,66 +477,167 @@ def _funm_e0_jvp(primals, tangents):
 
 
 def _eigh(diagonal: Array, off_diagonal: Array) -> tuple[Array, Array, Array]:
-    """Eigenvalues, eigenvectors and first eigenvector entries of T, with the
-    eigenvalues that $e_0$ does not see replaced by $T_{00}$."""
+    r"""Eigenvalues, eigenvectors and first eigenvector entries of T, with the
+    eigenvalues that $e_0$ does not see replaced by the visible one of largest
+    weight: `f` is evaluated there anyway, so it is finite there whenever the
+    result is. (The Rayleigh quotient $T_{00}$ is not: it is 0 on a bipartite
+    graph, where $1/x$ and $\log x^2$ are infinite.)"""
     lam, V = jnp.linalg.eigh(_tridiagonal(diagonal, off_diagonal))
     weights = V[0]
     hidden = jnp.abs(weights) <= jnp.finfo(lam.dtype).eps
-    return jnp.where(hidden, diagonal[0], lam), V, weights
+    seen = lam[jnp.argmax(jnp.abs(weights))]
+    return jnp.where(hidden, seen, lam), V, weights
 
 
 def _tridiagonal(diagonal: Array, off_diagonal: Array) -> Array:
     return jnp.diag(diagonal) + jnp.diag(off_diagonal, 1) + jnp.diag(off_diagonal, -1)
 
 
+# The quotient's error estimate counts this many units of rounding in each value of
+# `f` and in each eigenvalue it is evaluated at (XLA's elementwise functions are
+# accurate to a few units).
+ROUNDING_UNITS = 4
+
+
 def _divided_differences(lam: Array, values: Array, derivatives: Array) -> Array:
-    r"""$F_{ij} = (f(\lambda_i) - f(\lambda_j)) / (\lambda_i - \lambda_j)$, or the
-    mean of $f'(\lambda_i)$ and $f'(\lambda_j)$ where the quotient would lose digits
-    to cancellation; the mean is within $O(|\lambda_i - \lambda_j|^2)$ of it.
+    r"""$F_{ij} = f[\lambda_i, \lambda_j]$: the quotient
+    $q = (f_i - f_j) / (\lambda_i - \lambda_j)$ or the mean
+    $m = (f'_i + f'_j) / 2$, whichever has the smaller estimated error.
 
-    With $\delta = \epsilon^{1/3}$, the mean is taken where the gap is at most
-    $\delta$ times the largest $|\lambda|$ and either
+    With gap $g = |\lambda_i - \lambda_j|$, the quotient's rounding error is
+    estimated as $e_q = u \epsilon\, (|f_i| + |\lambda_i f'_i| + |f_j| +
+    |\lambda_j f'_j|) / g$, $u$ = `ROUNDING_UNITS`: each value computed as
+    $f(\lambda (1 + \delta))(1 + \delta')$ with $|\delta|, |\delta'| \le u
+    \epsilon$ (the term $\lambda f'$ is the rounding of `f`'s argument, as in
+    $e^{-t\lambda}$). The error of the eigenvalues themselves, about
+    $\epsilon \max|\lambda|$ each, does not enter: `eigh` returns the exact
+    eigenpairs of a nearby matrix, at which the quotient is the exact divided
+    difference, so it moves the quotient and the mean alike. (Charged to the
+    quotient, it would take the mean where the quotient is the more accurate,
+    by up to two orders of magnitude for a logarithm at eigenvalues a few percent
+    apart in float32.)
 
-    - at most $\delta \max(|\lambda_i|, |\lambda_j|)$: the pair is close for its
-      own size; or
-    - $|f(\lambda_i) - f(\lambda_j)| \le \delta (|f(\lambda_i)| + |f(\lambda_j)|)$:
-      the difference of the values is not resolved (a smooth $f$ at two
-      eigenvalues that are both near zero for the spectrum's scale).
-
-    Otherwise the quotient's rounding error is at most $\epsilon^{2/3}$ of it.
-    Taking the pair's own size alone keeps apart two small, well separated
-    eigenvalues next to a large one, where $f$ changes fast (a logarithm)."""
-    delta = jnp.finfo(lam.dtype).eps ** (1 / 3)
+    The mean is exact at $g = 0$; its error is $\frac{g^2}{12} |f'''|$ to leading
+    order, which neither $f'_i - f'_j$ nor a fixed threshold on $g$ bounds where
+    `f` changes shape between the two (a step, a fast oscillation: there $f'$ may
+    even be equal at both ends). What is known of it is $|q - m|$, which is that
+    error up to the quotient's. So the quotient is taken where $|q - m| > e_q$,
+    where the mean is off by more than the quotient can be, and the mean
+    otherwise, which is then within $2 e_q$ of the truth. The test is made as
+    $|(f_i - f_j) - m (\lambda_i - \lambda_j)| > g\, e_q$, with no division, so a
+    tiny gap cannot overflow it; an exactly repeated eigenvalue ($g = 0$, as after
+    a breakdown) takes the mean, which is exact and finite there. For a smooth
+    `f` of unit scale the switch falls where $g^3 \approx 200\, \epsilon$, both
+    errors a few times $\epsilon^{2/3}$."""
+    real = jnp.finfo(values.dtype).dtype
     signed_gap = lam[:, None] - lam[None, :]
-    gap = jnp.abs(signed_gap)
-    size = jnp.abs(lam)
-    scale = jnp.maximum(jnp.max(size), jnp.finfo(lam.dtype).tiny)
-    pair = jnp.maximum(size[:, None], size[None, :])
+    distinct = signed_gap != 0
+    safe_gap = jnp.where(distinct, signed_gap, jnp.ones_like(signed_gap))
+    safe_gap = safe_gap.astype(values.dtype)
     difference = values[:, None] - values[None, :]
-    magnitude = jnp.abs(values)
-    unresolved = jnp.abs(difference) <= delta * (
-        magnitude[:, None] + magnitude[None, :]
-    )
-    close = (gap <= delta * scale) & ((gap <= delta * pair) | unresolved)
-    safe_gap = jnp.where(close, jnp.ones_like(signed_gap), signed_gap)
-    quotient = difference / safe_gap.astype(values.dtype)
+    quotient = difference / safe_gap
     mean = (derivatives[:, None] + derivatives[None, :]) / 2
-    return jnp.where(close, mean, quotient)
+    size = jnp.abs(values) + (jnp.abs(lam) * jnp.abs(derivatives)).astype(real)
+    unit = jnp.asarray(ROUNDING_UNITS * jnp.finfo(real).eps, real)
+    error = unit * (size[:, None] + size[None, :])
+    resolved = jnp.abs(difference - mean * safe_gap) > error
+    return jnp.where(distinct & resolved, quotient, mean)
+
+
+def _matrix_function_e0(f: Callable, H: Array) -> Array:
+    r"""$f(H)\, e_0$ for Arnoldi's $H$, with what $e_0$ does not see replaced.
+
+    From the first zero subdiagonal entry on (a breakdown), $H$ is block upper
+    triangular, $\begin{pmatrix} H_{11} & H_{12} \\ 0 & H_{22} \end{pmatrix}$, and
+    $f(H)\, e_0 = (f(H_{11})\, e_0, 0)$ whatever $H_{12}$ and $H_{22}$ are. They
+    are replaced by $0$ and $c I$ (`_hidden_point`): after a breakdown $H_{22}$ is
+    zero, where $f$ may be infinite (`inv`, `log`), and the infinity would turn
+    into `nan` in the visible block too. Derivatives reach the visible block only,
+    as they would have (the decomposition's tangents vanish beyond it)."""
+    d = H.shape[0]
+    broken = jnp.cumsum((jnp.diagonal(H, -1) == 0).astype(jnp.int32)) > 0
+    visible = ~jnp.concatenate([jnp.zeros((1,), bool), broken])
+    block = jnp.where(visible[:, None] & visible[None, :], H, jnp.zeros_like(H))
+    c = _hidden_point(f, lax.stop_gradient(block))
+    hidden = jnp.where(visible, jnp.zeros((d,), H.dtype), c)
+    return f(block + jnp.diag(hidden))[:, 0]
+
+
+def _hidden_point(f: Callable, block: Array) -> Array:
+    r"""The $c$ of the hidden block $c I$: the first of $\rho = \|H_{11}\|_F$,
+    $H_{00}$ and $-\rho$ at which $f(c I)$ is finite ($\rho$ when none is).
+
+    The point that is always safe would be an eigenvalue of $H_{11}$, where $f$ is
+    finite whenever the result is; no finite formula gives one (they are the
+    roots of a polynomial of degree up to $d$), and `eig` runs on the CPU only.
+    Each candidate covers what the one before misses. $\rho \ge$ the spectral
+    radius is real and positive unless $H_{11} = 0$: `inv`, `log` and `sqrtm`
+    (whose derivative is infinite at 0) are finite there, on a bipartite graph
+    (all of $H$'s diagonal zero) and for complex eigenvalues too, and so is a
+    resolvent $(zI - H)^{-1}$ unless $z = \rho$. $H_{00} = q_0^* A q_0$ lies in
+    the numerical range: `expm` of a matrix with large negative eigenvalues, which
+    overflows at $\rho$, is finite there, and so is a resolvent at $z = \rho$.
+    $-\rho$ is the last resort. `f` is called on the three matrices $c I$ at once
+    (`jax.vmap`), without derivatives."""
+    d = block.shape[0]
+    rho = jnp.sqrt(jnp.sum(jnp.abs(block) ** 2)).astype(block.dtype)
+    candidates = jnp.stack([rho, block[0, 0], -rho])
+    eye = jnp.eye(d, dtype=block.dtype)
+    finite = jax.vmap(lambda c: jnp.all(jnp.isfinite(f(c * eye))))(candidates)
+    return candidates[jnp.argmax(finite)]
+
+
+def _working_dtype(dtype: Any) -> np.dtype:
+    """The dtype the small matrix is worked in: the decompositions' own
+    (`_orthogonal.working_dtype`, at least float32: `eigh`, `solve` and `expm` have
+    no half-precision kernels)."""
+    return working_dtype(dtype)
+
+
+def _result_dtype(dtype: Any, values_dtype: Any) -> np.dtype:
+    """The result's dtype: `dtype` promoted with that of `f`'s values, the working
+    precision given back where it was raised from a half one (a float32 result of
+    bfloat16 inputs is bfloat16; a complex one stays complex64, there being no
+    complex half dtype)."""
+    out = standard_result_type(dtype, values_dtype)
+    if out == _working_dtype(dtype) and out != dtype:
+        return np.dtype(dtype)
+    return out
 
 
 # --------------------------------------------------------------------- checks
 
 
-def _scalar_function(f: Callable, example: Array, arg: str) -> Callable:
+# What `funm_action` adds when `f` fails on the eigenvalues: the other method.
+_MATRIX_FUNCTION_HINT = (
+    " For a matrix function of the small matrix, such as `jax.scipy.linalg.expm`, "
+    'use `method="arnoldi"`.'
+)
+
+
+def _scalar_function(f: Callable, example: Array, arg: str, hint: str = "") -> Callable:
     """`f` closure-converted on `(d,)` eigenvalues like `example`; its output
     checked.
 
     The example is typed like the eigenvalues it will be called with (on a mesh,
     its sharding too: the closure-converted function checks that), so it is made
-    from the tridiagonal matrix's own diagonal."""
+    from the tridiagonal matrix's own diagonal. A shape or type error that `f`
+    raises on them, as a matrix function does on a vector, is raised again naming
+    `arg`, with `hint` appended."""
     (d,) = example.shape
-    fn = closure_convert(f, example)
-    out = jax.eval_shape(fn, example)
+    try:
+        fn = closure_convert(f, example)
+        out = jax.eval_shape(fn, example)
+    except (TypeError, ValueError, IndexError) as err:
+        kind = TypeError if isinstance(err, TypeError) else ValueError
+        # JAX appends a note on its filtered traceback; the message is what precedes.
+        reason = str(err).split("\n-----")[0]
+        msg = (
+            f"`{arg}` must be a scalar function, applied elementwise to the ({d},) "
+            f"eigenvalues of T (a {example.dtype} array); calling it on them raised "
+            f"{type(err).__name__}: {reason}{hint}"
+        )
+        raise kind(msg) from err
     _check_output(out, (d,), arg, f"the ({d},) eigenvalues of T to ({d},) values")
     return fn
 

@@ -10,6 +10,7 @@ Every computation is jitted, several cases per program, to keep the file fast.
 
 import subprocess
 import sys
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,15 @@ def relative_error(x, y):
 
 def decreasing(errors):
     return all(e1 > e2 for e1, e2 in zip(errors, errors[1:], strict=False))
+
+
+def cycle(n):
+    """The adjacency matrix of the cycle graph C_n: bipartite for even n, so the
+    Rayleigh quotient b^T A b of a vertex is 0. Eigenvalues 2 cos(2 pi k / n), most
+    of them double, so the Krylov space of any b is invariant after about n / 2
+    vectors."""
+    C = np.roll(np.eye(n), 1, axis=0)
+    return C + C.T
 
 
 def resolvent(shift, H):
@@ -229,6 +239,30 @@ def test_float32():
     np.testing.assert_allclose(y, sym_funm(S, np.log) @ b, rtol=1e-4, atol=1e-5)
 
 
+def test_bfloat16_action_to_bfloat16_accuracy():
+    """exp(A) b for bfloat16 A and b with spectrum in [10, 12], by both methods (JAX
+    has no bfloat16 `eigh` or `expm`): bfloat16, and within one bfloat16 epsilon of
+    exp(A) b, norm-wise (the exact value rounded to bfloat16 is within 0.15 of
+    one). There e^lambda has the relative error of lambda's absolute one, so this
+    needs the decomposition and the small matrix worked in float32: rounding T to
+    bfloat16 (spacing 1/16 near 11) alone costs 1.5 epsilons here."""
+    A = jnp.asarray(spd(8, low=10.0, high=12.0), jnp.bfloat16)
+    b = jnp.asarray(vector(8), jnp.bfloat16)
+
+    @jax.jit
+    def run(A, b):
+        return (
+            krylovjax.funm_action(jnp.exp, A, b, 8, method="lanczos"),
+            krylovjax.funm_action(expm, A, b, 8, method="arnoldi"),
+        )
+
+    expected = scipy.linalg.expm(np.asarray(A, np.float64)) @ np.asarray(b, np.float64)
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    for y in run(A, b):
+        assert y.dtype == jnp.bfloat16
+        assert relative_error(np.asarray(y, np.float64), expected) < eps
+
+
 def test_zero_vector_gives_zeros_and_finite_gradients():
     """f(0) is infinite for a logarithm; a zero `b` still gives zeros."""
     S, A, zero = jnp.asarray(spd()), jnp.asarray(general()), jnp.zeros(N)
@@ -297,6 +331,71 @@ def test_breakdown_is_exact_with_finite_gradients():
 
     grads = jax.jit(jax.grad(naive, argnums=(0, 1)))(dec.diagonal, dec.off_diagonal)
     assert not all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+def test_breakdown_where_f_is_infinite_at_the_rayleigh_quotient():
+    """C6 from a vertex: the Krylov space is invariant after 4 vectors (the
+    eigenvalues are +-1 and +-2), and what the small matrix holds beyond them is
+    zero, as is the Rayleigh quotient b^T A b (the graph is bipartite), where 1/x
+    is infinite; with Arnoldi the zero block makes H singular. f(A) b = A^{-1} b
+    exactly, for every b, for a shift s that f closes over, and along A itself
+    (A + sI and (1 + t) A have the same Krylov spaces), so the derivatives in b and
+    s and along A are closed forms; the rest of the gradient in A is finite.
+    Reverse and forward mode, both methods (Lanczos at d = 5, Arnoldi at d = 6)."""
+    A, b, s = jnp.asarray(cycle(6)), jnp.eye(6)[0], jnp.asarray(0.0)
+    c, db = jnp.asarray(vector(6, seed=5)), jnp.asarray(vector(6, seed=6))
+
+    def action(method, A, b, s):
+        if method == "lanczos":
+            return krylovjax.funm_action(lambda x: 1 / (x + s), A, b, 5, method=method)
+
+        def inv(H):
+            return jnp.linalg.inv(H + s * jnp.eye(H.shape[0], dtype=H.dtype))
+
+        return krylovjax.funm_action(inv, A, b, 6, method=method)
+
+    @jax.jit
+    def run(A, b, s):
+        out = {}
+        for method in ("lanczos", "arnoldi"):
+            value, pullback = jax.vjp(partial(action, method), A, b, s)
+            tangents = (A, db, jnp.ones_like(s))
+            _, tangent = jax.jvp(partial(action, method), (A, b, s), tangents)
+            out[method] = (value, pullback(c), tangent)
+        return out
+
+    inverse = np.linalg.inv(np.asarray(A))
+    y = inverse[:, 0]
+    for value, (g_A, g_b, g_s), tangent in run(A, b, s).values():
+        np.testing.assert_allclose(value, y, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(g_b, inverse @ c, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(g_s, -c @ inverse @ y, rtol=1e-12)
+        assert bool(jnp.isfinite(g_A).all())
+        np.testing.assert_allclose(np.sum(g_A * A), -c @ y, rtol=1e-12)
+        np.testing.assert_allclose(
+            tangent, -y + inverse @ db - inverse @ y, rtol=1e-12, atol=1e-14
+        )
+
+
+def test_trace_breakdown_where_f_is_infinite_at_the_rayleigh_quotient():
+    """Two disjoint edges (eigenvalues +-1, both double): every probe's Krylov
+    space is invariant after 2 vectors, and a Rademacher probe z with
+    z0 z1 = -z2 z3 has Rayleigh quotient exactly 0, where 1/x is infinite. The
+    estimate of tr A^{-1} at d = 4 equals the same estimator in NumPy, and its
+    gradient is finite, with the closed form along A itself (the estimate is
+    homogeneous of degree -1 in A)."""
+    A, key, m = jnp.asarray(np.kron(np.eye(2), [[0.0, 1.0], [1.0, 0.0]])), jr.key(0), 8
+    Z = probes(key, "rademacher", m, 4)
+    assert np.any(np.einsum("mi,ij,mj->m", Z, np.asarray(A), Z) == 0)
+    value, grad = jax.jit(
+        jax.value_and_grad(
+            lambda A: krylovjax.trace_funm(lambda x: 1 / x, A, key, 4, num_probes=m)
+        )
+    )(A)
+    same_probes = np.mean(np.einsum("mi,ij,mj->m", Z, np.linalg.inv(A), Z))
+    np.testing.assert_allclose(value, same_probes, rtol=1e-12, atol=1e-14)
+    assert bool(jnp.isfinite(grad).all())
+    np.testing.assert_allclose(np.sum(grad * A), -same_probes, rtol=1e-12)
 
 
 # ------------------------------------------------------------------ gradients
@@ -499,6 +598,26 @@ def test_trace_exact_for_diagonal_with_rademacher():
     np.testing.assert_allclose(est, np.sum(np.log(np.asarray(w))), rtol=1e-12)
 
 
+def test_trace_half_precision():
+    """float16 and bfloat16 matrices: the quadratures run in float32 (JAX has no
+    half-precision `eigh`) and the estimate comes back in the matrix's dtype,
+    within one epsilon of the same estimator in NumPy."""
+    S, key, m = spd(8, low=10.0, high=12.0), jr.key(1), 4
+    Z = probes(key, "rademacher", m, 8)
+    dtypes = (jnp.float16, jnp.bfloat16)
+    estimates = jax.jit(
+        lambda mats: [
+            krylovjax.trace_funm(jnp.log, A, key, 8, num_probes=m) for A in mats
+        ]
+    )([jnp.asarray(S, dtype) for dtype in dtypes])
+    for dtype, estimate in zip(dtypes, estimates, strict=True):
+        M = sym_funm(np.asarray(jnp.asarray(S, dtype), np.float64), np.log)
+        same_probes = np.mean(np.einsum("mi,ij,mj->m", Z, M, Z))
+        assert estimate.dtype == dtype
+        eps = float(jnp.finfo(dtype).eps)
+        assert abs(float(estimate) - same_probes) < eps * abs(same_probes)
+
+
 def daleckii_krein(S, f, df, W):
     """The gradient of <W, f(S)> with respect to a symmetric S (distinct
     eigenvalues)."""
@@ -548,6 +667,67 @@ def test_derivatives_with_small_eigenvalues_next_to_a_large_one():
     expected = daleckii_krein(S, np.log, lambda w: 1 / w, Z.T @ Z / m)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(grad_trace, expected, rtol=1e-7, atol=1e-9 * scale)
+
+
+def _step(g):
+    """tanh of width g / 20 centred between 1 and 1 + g, its NumPy twin and slope."""
+
+    def slope(w):
+        t = np.exp(-2 * np.abs(w - (1 + g / 2)) / (g / 20))
+        return 4 * t / (1 + t) ** 2 / (g / 20)
+
+    return (
+        lambda x: jnp.tanh((x - (1 + g / 2)) / (g / 20)),
+        lambda w: np.tanh((w - (1 + g / 2)) / (g / 20)),
+        slope,
+    )
+
+
+_OSCILLATION = (
+    lambda x: jnp.exp(-1000j * x.astype(jnp.complex64)),
+    lambda w: np.exp(-1000j * w),
+    lambda w: -1000j * np.exp(-1000j * w),
+)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "g", "functions", "rtol"),
+    [
+        (np.float32, 2e-3, _step(2e-3), 2e-3),
+        (np.float64, 2e-6, _step(2e-6), 1e-8),
+        (np.float32, 2e-3, _OSCILLATION, 2e-3),
+    ],
+    ids=["float32-step", "float64-step", "complex64-oscillation"],
+)
+def test_derivatives_where_f_changes_fast_between_close_eigenvalues(
+    dtype, g, functions, rtol
+):
+    """Eigenvalues 1, 1 + g and 3, and f stepping or oscillating between the two
+    close ones. Their divided difference is the quotient (f_i - f_j) / g, well
+    resolved here, not the mean of f' (about 0 for the step, whose f' is the same
+    at both ends). The directional derivative of c^T f(S) b along a symmetric E,
+    at d = n, against the Daleckii--Krein formula in float64 NumPy (which agrees
+    with mpmath at 60 digits to 1e-10), to the dtype's accuracy: in float32 the
+    result moves by about eps ||S|| / g relative (2e-4) as the eigenvalues and
+    eigenvectors of the close pair do, and JAX's own `eigh` rule errs as much."""
+    f, f_np, df_np = functions
+    rng = np.random.default_rng(0)
+    Q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+    S = (Q * np.array([1.0, 1.0 + g, 3.0])) @ Q.T
+    E = rng.normal(size=(3, 3))
+    S, E, b, c = (
+        np.asarray(x, dtype)
+        for x in ((S + S.T) / 2, E + E.T, vector(3), vector(3, seed=5))
+    )
+
+    def y(S):
+        out = krylovjax.funm_action(f, S, jnp.asarray(b), 3, method="lanczos")
+        return out @ jnp.asarray(c, out.dtype)
+
+    _, tangent = jax.jit(lambda S, E: jax.jvp(y, (S,), (E,)))(S, E)
+    W = np.outer(c, b).astype(np.float64)
+    expected = np.sum(daleckii_krein(S.astype(np.float64), f_np, df_np, W) * E)
+    np.testing.assert_allclose(complex(tangent), expected, rtol=rtol)
 
 
 def test_derivatives_reach_a_python_float_that_f_closes_over():
@@ -717,6 +897,15 @@ def test_funm_action_errors():
         funm(jnp.diag, A_ERR, B_ERR, 2, method="arnoldi")
     with pytest.raises(TypeError, match=r"`funm_action\(f=...\)` must map .* floating"):
         funm(lambda x: (x > 0).astype(jnp.int32), A_ERR, B_ERR, 2, method="lanczos")
+    # A matrix function where a scalar one belongs fails inside `f`: the error names
+    # `f` and the method that takes a matrix function.
+    with pytest.raises(
+        ValueError,
+        match=r"`funm_action\(f=...\)` must be a scalar function, applied "
+        r"elementwise to the \(3,\) eigenvalues .* Expected A to be a \(batched\) "
+        r"square matrix.* use `method=\"arnoldi\"`",
+    ):
+        funm(expm, A_ERR, B_ERR, 3, method="lanczos")
 
 
 def test_trace_funm_errors():
@@ -757,6 +946,18 @@ def test_trace_funm_errors():
         unchecked(trace)(None, A_ERR, key, 2, num_probes=2)
     with pytest.raises(ValueError, match=r"`trace_funm\(f=...\)` must map the \(2,\)"):
         trace(jnp.sum, A_ERR, key, 2, num_probes=2)
+    with pytest.raises(
+        ValueError, match=r"`trace_funm\(f=...\)` must be a scalar function"
+    ):
+        trace(expm, A_ERR, key, 2, num_probes=2)
+    # The m bases are one batch: too many probes name `num_probes`, before XLA's
+    # allocator would fail.
+    with pytest.raises(
+        ValueError,
+        match=r"`trace_funm\(num_probes=...\)` is too large: the batch of "
+        r"1099511627776 Lanczos bases",
+    ):
+        trace(jnp.log, A_ERR, key, 2, num_probes=2**40)
 
 
 def test_row_sharded_matrix_on_both_mesh_kinds():
