@@ -208,11 +208,11 @@ def arnoldi(
         >>> import krylovjax
         >>> A = jnp.array([[1.0, 2.0], [3.0, 4.0]])
         >>> x0 = jnp.array([1.0, 0.0])
-        >>> dec = krylovjax.arnoldi(A, x0, 2)
+        >>> dec = jax.jit(lambda A, x: krylovjax.arnoldi(A, x, 2))(A, x0)
         >>> dec.hessenberg
         Array([[1., 2.],
                [3., 4.]], dtype=float32)
-        >>> jax.grad(lambda x: krylovjax.arnoldi(A, x, 2).norm)(x0)
+        >>> jax.jit(jax.grad(lambda x: krylovjax.arnoldi(A, x, 2).norm))(x0)
         Array([1., 0.], dtype=float32)
 
         ```

@@ -233,17 +233,18 @@ def lanczos(
         >>> import krylovjax
         >>> A = jnp.array([[2.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 4.0]])
         >>> x0 = jnp.array([1.0, 0.0, 0.0])
-        >>> krylovjax.lanczos(A, x0, 3).matrix()
+        >>> lanczos = jax.jit(lambda A, x0: krylovjax.lanczos(A, x0, 3))
+        >>> lanczos(A, x0).matrix()
         Array([[2., 1., 0.],
                [1., 3., 1.],
                [0., 1., 4.]], dtype=float32)
         >>> # d = n: trace(T) = trace(A), so its gradient is the identity.
-        >>> jax.grad(lambda A: krylovjax.lanczos(A, x0, 3).diagonal.sum())(A)
+        >>> jax.jit(jax.grad(lambda A: lanczos(A, x0).diagonal.sum()))(A)
         Array([[1., 0., 0.],
                [0., 1., 0.],
                [0., 0., 1.]], dtype=float32)
         >>> # In bfloat16: computed in float32, returned in bfloat16.
-        >>> half = krylovjax.lanczos(A.astype(jnp.bfloat16), x0.astype(jnp.bfloat16), 3)
+        >>> half = lanczos(A.astype(jnp.bfloat16), x0.astype(jnp.bfloat16))
         >>> half.diagonal, half.off_diagonal
         (Array([2, 3, 4], dtype=bfloat16), Array([1, 1], dtype=bfloat16))
 

@@ -33,14 +33,22 @@ def test_default_is_finite_where_the_scan_is():
     # multiplies it by 0.
     A = jnp.diag(jnp.array([1.2, 0.5], jnp.float32))
     x0 = jnp.array([0.0, 1.0], jnp.float32)
-    X = krylovjax.krylov(A, x0, 1024)
+
+    @jax.jit
+    def run(A, x0):
+        return (
+            krylovjax.krylov(A, x0, 1024),
+            jax.grad(lambda x: krylovjax.krylov(A, x, 1024)[:, :20].sum())(x0),
+            krylovjax.krylov(A, x0, 1024, method="doubling"),
+        )
+
+    X, grad, doubling = run(A, x0)
     assert bool(jnp.isfinite(X).all())
     exact = 0.5 ** np.arange(1024, dtype=np.float64)
     np.testing.assert_allclose(X[1], exact, rtol=1e-5, atol=1e-37)
-    grad = jax.grad(lambda x: krylovjax.krylov(A, x, 1024)[:, :20].sum())(x0)
     np.testing.assert_allclose(grad, [sum(1.2**k for k in range(20)), 2.0], rtol=1e-5)
     # Doubling asked for explicitly keeps its documented limit.
-    assert bool(jnp.isnan(krylovjax.krylov(A, x0, 1024, method="doubling")).any())
+    assert bool(jnp.isnan(doubling).any())
 
 
 def test_default_keeps_its_accuracy_where_auto_picks_doubling():
@@ -76,25 +84,39 @@ def test_forward_and_reverse_modes_with_the_defaults():
     d = 70  # more than one chunk of the tangent and reverse passes
     tangents = (jnp.ones_like(A), jnp.ones_like(x0))
 
-    def modes(build):
-        def f(A, x0):
-            return jnp.sum(jnp.sin(build(A, x0, d)))
+    def f(build):
+        return lambda A, x0: jnp.sum(jnp.sin(build(A, x0, d)))
 
+    def modes(f):
         _, lin = jax.linearize(f, A, x0)
-        hess = jax.hessian(lambda A: f(A, x0))(A)
         return (
             jax.jvp(f, (A, x0), tangents),
             jax.jacfwd(f, (0, 1))(A, x0),
             jax.grad(f, (0, 1))(A, x0),
             lin(*tangents),
-            hess,
+            jax.hessian(lambda A: f(A, x0))(A),
             jax.jacrev(jax.jacfwd(lambda A: f(A, x0)))(A),
         )
 
+    def reference(f):
+        # Plain autodiff's value, gradient (a scalar's Jacobian) and Hessian: every
+        # mode above is one of them or a contraction of one.
+        return f(A, x0), jax.grad(f, (0, 1))(A, x0), jax.hessian(lambda A: f(A, x0))(A)
+
     # One program for both: each mode of the default against plain autodiff.
-    ours, plain = jax.jit(lambda: (modes(krylovjax.krylov), modes(_plain)))()
-    assert_trees_close(ours, plain)
-    assert_trees_close(ours[-1], plain[-2])  # reverse-over-forward is the Hessian
+    ours, (value, grad, hess) = jax.jit(
+        lambda: (modes(f(krylovjax.krylov)), reference(f(_plain)))
+    )()
+    jvp, jacfwd, ours_grad, linear, ours_hess, rev_over_fwd = ours
+    tangent = np.asarray(
+        sum(np.vdot(g, t) for g, t in zip(grad, tangents, strict=True))
+    )
+    assert_trees_close(jvp, (value, tangent))
+    assert_trees_close(linear, tangent)
+    assert_trees_close(jacfwd, grad)
+    assert_trees_close(ours_grad, grad)
+    assert_trees_close(ours_hess, hess)
+    assert_trees_close(rev_over_fwd, hess)  # reverse-over-forward is the Hessian
 
 
 def _sparse_like(A, key):
@@ -154,36 +176,44 @@ def test_every_chunking_matches_autodiff(kind, n, d, block, hvps):
 
     ours, plain = loss(None), loss("autodiff")
 
+    # Second derivatives run the reverse pass's own derivatives: forward over
+    # reverse and reverse over reverse, as Hessian-vector products (both are H V).
+    V = jnp.cos(jnp.arange(A.size, dtype=A.dtype)).reshape(A.shape)
+
+    def hvp(f, mode):
+        g = jax.grad(f)
+        if mode == "forward":
+            return jax.jvp(lambda A: g(A, x0), (A,), (V,))[1]
+        return jax.grad(lambda A: jnp.vdot(g(A, x0), V))(A)
+
     @jax.jit
     def grads(A, x0):
         # The default with both arguments and with x0 alone (the operator is not
         # perturbed), plain autodiff and, with the second derivatives, the
         # custom_vjp (its reverse pass runs the same chunks).
-        custom_vjp = jax.grad(loss("custom_vjp"), (0, 1))(A, x0) if hvps else None
+        second = None
+        if hvps:
+            second = (
+                jax.grad(loss("custom_vjp"), (0, 1))(A, x0),
+                hvp(ours, "forward"),
+                hvp(ours, "reverse"),
+                hvp(plain, "forward"),
+            )
         return (
             jax.grad(ours, (0, 1))(A, x0),
             jax.grad(ours, 1)(A, x0),
             jax.grad(plain, (0, 1))(A, x0),
-            custom_vjp,
+            second,
         )
 
-    both, x0_only, want, custom_vjp = grads(A, x0)
+    both, x0_only, want, second = grads(A, x0)
     assert_trees_close(both, want)
     assert_trees_close(x0_only, want[1])
     if hvps:
+        custom_vjp, forward, reverse, hv = second
         assert_trees_close(custom_vjp, want)
-        # Second derivatives run the reverse pass's own derivatives: forward over
-        # reverse and reverse over reverse, as Hessian-vector products.
-        V = jnp.cos(jnp.arange(A.size, dtype=A.dtype)).reshape(A.shape)
-
-        def hvp(f):
-            g = jax.grad(f)
-            fwd = jax.jvp(lambda A: g(A, x0), (A,), (V,))[1]
-            rev = jax.grad(lambda A: jnp.vdot(g(A, x0), V))(A)
-            return fwd, rev
-
-        got, want = jax.jit(lambda: (hvp(ours), hvp(plain)))()
-        assert_trees_close(got, want)
+        assert_trees_close(forward, hv)
+        assert_trees_close(reverse, hv)
 
 
 def test_linear_transpose_with_the_defaults():
@@ -337,6 +367,21 @@ MEMORY_CASES = [
 ]
 
 
+def _shape(shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _pattern(n, seed):
+    """A BCOO pattern of `(n, n)` with about 8 stored entries per row (at least one),
+    built in NumPy: its stored values are an argument of the programs."""
+    rng = np.random.default_rng(seed)
+    mask = rng.uniform(size=(n, n)) < 8 / n
+    mask[np.arange(n), rng.integers(0, n, n)] = True
+    indices = np.argwhere(mask).astype(np.int32)
+    data = np.zeros(len(indices), np.float32)
+    return sparse.BCOO((data, indices), shape=(n, n))
+
+
 def memory_excess(loss, kind, n, d, block):
     """`(ours, plain, bound)`: the compiled temporary bytes of `jax.grad` with the
     defaults and with plain autodiff through the scan, and the bound on `ours`.
@@ -346,13 +391,13 @@ def memory_excess(loss, kind, n, d, block):
     hold 2 * 64 + n vectors, plus up to 16 more that XLA keeps beside the loops (up
     to 8 measured).
     """
-    A = random_matrix(jax.random.key(6), n, jnp.float32)
-    like = _sparse_like(A, jax.random.key(7))
-    if kind == "bcoo":
-        A = like.data
+    # Shapes only: the programs are compiled, never run. BCOO's pattern (about 8
+    # entries per row) is a constant of the program, as a user's would be.
+    like = _pattern(n, seed=7)
+    A = _shape((like.nse,) if kind == "bcoo" else (n, n))
     shape = (n,) if block is None else (n, block)
-    x0 = jnp.ones(shape, jnp.float32)
-    W = jnp.ones((n, d) if block is None else (n, d, block), jnp.float32)
+    x0 = _shape(shape)
+    W = _shape((n, d) if block is None else (n, d, block))
 
     def grad(adjoint):
         def f(A, x0, W):
@@ -426,10 +471,9 @@ def test_grad_of_vmap_over_operators_keeps_one_stack(kind):
     # d: no second copy of the stored vectors (a stack stored with the batch second
     # was copied whole, about d more vectors per member).
     B, n = 3, 256
-    As = jnp.broadcast_to(random_matrix(jax.random.key(0), n, jnp.float32), (B, n, n))
-    like = _sparse_like(As[0], jax.random.key(1))
-    ps = jnp.stack([like.data] * B) if kind == "bcoo" else As
-    x0s = jnp.ones((B, n), jnp.float32)
+    like = _pattern(n, seed=1)
+    ps = _shape((B, like.nse) if kind == "bcoo" else (B, n, n))
+    x0s = _shape((B, n))
 
     def extra(d):
         def grad(adjoint):

@@ -36,7 +36,7 @@ adjoints = st.sampled_from(ADJOINTS)
 # Every dtype, layout, adjoint and operator kind is tested deterministically
 # elsewhere (test_krylov.py, test_doubling.py, test_iterate.py); these draw the sizes.
 @pytest.mark.parametrize("method", METHODS)
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(
     n=sizes,
     b=blocks,
@@ -75,7 +75,7 @@ def test_krylov_values_and_vjp(method, n, b, d, layout, dtype, adjoint, seed):
     assert_trees_close(grads, grads_ref, **tol(dtype))
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(n=sizes, d=depths, dtype=dtypes, adjoint=adjoints, seed=seeds)
 def test_iterate_pytree_vjp(n, d, dtype, adjoint, seed):
     kw, kx, ky, kc = jr.split(jr.key(seed), 4)

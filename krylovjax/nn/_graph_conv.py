@@ -149,9 +149,10 @@ class KrylovGraphConv(eqx.Module):
         >>> ring = jnp.roll(jnp.eye(5), 1, axis=1)
         >>> A_hat = normalise_adjacency(ring + ring.T)
         >>> conv = KrylovGraphConv(3, 4, 2, key=jax.random.key(0))
-        >>> conv(A_hat, jnp.ones((5, 3))).shape
+        >>> apply = jax.jit(lambda conv, A, H: conv(A, H))
+        >>> apply(conv, A_hat, jnp.ones((5, 3))).shape
         (5, 4)
-        >>> conv(jnp.zeros((0, 0)), jnp.ones((0, 3))).shape  # an empty graph
+        >>> apply(conv, jnp.zeros((0, 0)), jnp.ones((0, 3))).shape  # an empty graph
         (0, 4)
 
         ```

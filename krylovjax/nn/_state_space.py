@@ -73,16 +73,16 @@ class StateSpaceConv(eqx.Module):
         >>> import jax, jax.numpy as jnp
         >>> from krylovjax.nn import StateSpaceConv
         >>> layer = StateSpaceConv(8, 2, 3, 100, key=jax.random.key(0))
-        >>> u = jnp.ones((100, 2))
-        >>> layer(u).shape
+        >>> apply = jax.jit(lambda layer, u: layer(u))
+        >>> apply(layer, jnp.ones((100, 2))).shape
         (100, 3)
-        >>> layer.kernel().shape
+        >>> jax.jit(lambda layer: layer.kernel())(layer).shape
         (100, 3, 2)
-        >>> jax.vmap(layer)(jnp.ones((4, 50, 2))).shape  # a batch of shorter inputs
+        >>> batch = jnp.ones((4, 50, 2))  # a batch of shorter inputs
+        >>> jax.jit(jax.vmap(layer))(batch).shape
         (4, 50, 3)
-        >>> StateSpaceConv(8, 2, 3, 100, dtype=jnp.float32, key=jax.random.key(0))(
-        ...     jnp.ones((100, 2), dtype=jnp.int32)
-        ... ).dtype
+        >>> f32 = StateSpaceConv(8, 2, 3, 100, dtype=jnp.float32, key=jax.random.key(0))
+        >>> apply(f32, jnp.ones((100, 2), dtype=jnp.int32)).dtype
         dtype('float32')
 
         ```
@@ -184,7 +184,7 @@ class StateSpaceConv(eqx.Module):
             >>> import jax, jax.numpy as jnp
             >>> from krylovjax.nn import StateSpaceConv
             >>> layer = StateSpaceConv(4, 1, 1, 10, key=jax.random.key(0))
-            >>> A_bar, B_bar = layer.discretise()
+            >>> A_bar, B_bar = jax.jit(lambda layer: layer.discretise())(layer)
             >>> bool(jnp.linalg.norm(A_bar, 2) < 1)
             True
 
@@ -223,7 +223,7 @@ class StateSpaceConv(eqx.Module):
             >>> import jax
             >>> from krylovjax.nn import StateSpaceConv
             >>> layer = StateSpaceConv(4, 2, 3, 10, key=jax.random.key(0))
-            >>> layer.kernel(6).shape
+            >>> jax.jit(lambda layer: layer.kernel(6))(layer).shape
             (6, 3, 2)
 
             ```
