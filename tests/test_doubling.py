@@ -15,16 +15,11 @@ from helpers import (
     temp_bytes,
     tol,
     unchecked,
-    x0_shape,
 )
 from jax.experimental import sparse
 from jax.test_util import check_grads
 
 import krylovjax
-from krylovjax._doubling import (
-    _reverse_levels,
-    _suffix_scan_hillis_steele,
-)
 
 N = 5
 
@@ -53,26 +48,40 @@ def test_values_dense(dtype, layout, block):
     assert_trees_close(got, want, **tol(dtype))
 
 
-@pytest.mark.parametrize("d", [1, 2, 3, 4, 16, 17])
-def test_values_depths(d):
+DEPTHS_VALUES = (1, 2, 3, 4, 16, 17)
+
+
+def test_values_depths():
+    # Every d mod 4 and both sides of a power of two, in one program.
     A, x0 = random_problem(jnp.float64)
-    got = _krylov(A, x0, d=d, method="doubling")
-    assert_trees_close(got, krylov_loop(lambda x: A @ x, x0, d), **tol(jnp.float64))
+    got = jax.jit(
+        lambda A, x0: [
+            krylovjax.krylov(A, x0, d, method="doubling") for d in DEPTHS_VALUES
+        ]
+    )(A, x0)
+    for d, X in zip(DEPTHS_VALUES, got, strict=True):
+        want = krylov_loop(lambda x: A @ x, x0, d)
+        assert_trees_close(X, want, **tol(jnp.float64), err_msg=f"d={d}")
 
 
 @pytest.mark.parametrize("dtype, block", [(jnp.float64, None), (jnp.complex64, 2)])
 def test_values_bcoo(dtype, block):
     A, x0 = random_problem(dtype, block, n=7)
     params, build = make_operator("bcoo", A)
-    got = _krylov(build(params), x0, d=11, method="doubling")
-    B = build(params).todense()
+    got, B = jax.jit(
+        lambda p, x0: (
+            krylovjax.krylov(build(p), x0, 11, method="doubling"),
+            build(p).todense(),
+        )
+    )(params, x0)
     assert_trees_close(got, krylov_loop(lambda x: B @ x, x0, 11), **tol(dtype))
 
 
 def test_dtype_promotion():
     A, x0 = random_problem(jnp.complex64)
-    got = krylovjax.krylov(A, x0.real, 6, method="doubling")
-    want = krylovjax.krylov(A, x0.real, 6, method="scan")
+    got, want = jax.jit(
+        lambda A, x: [krylovjax.krylov(A, x, 6, method=m) for m in ("doubling", "scan")]
+    )(A, x0.real)
     assert got.dtype == jnp.complex64
     assert_trees_close(got, want, **tol(jnp.complex64))
 
@@ -80,51 +89,14 @@ def test_dtype_promotion():
 # ------------------------------------------------------------------ gradients
 
 
-# Every d mod 4 (and d = 1), vector and block in turn.
-@pytest.mark.parametrize(
-    "d, block", [(1, None), (2, 2), (3, None), (5, 2), (8, None), (13, 2)]
-)
-def test_suffix_scan_matches_the_recurrence(d, block):
-    # Hillis-Steele against lam_i = g_i + A^T lam_(i+1), for every d mod 4.
-    A, _ = random_problem(jnp.float64)
-    g = random_array(jr.key(1), (d, *x0_shape(N, block)), jnp.float64)
-    lams = [g[-1]]
-    for k in range(d - 2, -1, -1):
-        lams.insert(0, g[k] + A.T @ lams[0])
-    # The scan works on the columns layout (n, d, b), b columns a vector.
-    b = 1 if block is None else block
-    want = jnp.moveaxis(jnp.stack(lams), 0, 1).reshape(N, d, b)
-    g = jnp.moveaxis(g, 0, 1).reshape(N, d, b)
-    hillis_steele = jax.jit(_suffix_scan_hillis_steele)(A, g)
-    assert_trees_close(hillis_steele, want, **tol(jnp.float64))
-
-
-@pytest.mark.parametrize("d, block", [(2, None), (3, 2), (5, None), (8, 2), (13, None)])
-def test_reverse_schemes_match_the_scan_vjp(d, block):
-    # Both reverse schemes (transposed levels, Hillis-Steele + one GEMM) against
-    # the scan's VJP with respect to A and x0, for every d mod 4.
-    A, x0 = random_problem(jnp.float64, block)
-    b = 1 if block is None else block
-    want_x, vjp = jax.vjp(
-        lambda A, x0: krylovjax.krylov(A, x0, d, method="scan"), A, x0
-    )
-    ct = random_array(jr.key(2), want_x.shape, jnp.float64)
-    want_A, want_x0 = vjp(ct)
-    xs = want_x.reshape(N, d, b)
-    g = ct.reshape(N, d, b)
-    levels = jax.jit(_reverse_levels, static_argnums=3)(A, xs, g, True)
-    lam = jax.jit(_suffix_scan_hillis_steele)(A, g)
-    hillis_steele = (lam[:, :1], jnp.einsum("ikb,jkb->ij", lam[:, 1:], xs[:, :-1]))
-    for grad_x0, grad_A in (levels, hillis_steele):
-        assert_trees_close(grad_x0.reshape(x0.shape), want_x0, **tol(jnp.float64))
-        assert_trees_close(grad_A, want_A, **tol(jnp.float64))
-
-
-# Every method and rule once, the layouts and depths in turn.
+# Every method and rule once, the layouts and depths in turn; doubling's reverse pass
+# at n = 5 with one level (d = 2, the powers fit in memory) and with three (d = 5,
+# where they do not).
 @pytest.mark.parametrize(
     ("method", "adjoint", "layout", "d"),
     [
         ("doubling", "custom_vjp", "columns", 2),
+        ("doubling", "custom_vjp", "rows", 5),
         ("doubling", "autodiff", "rows", 5),
         ("scan", "custom_vjp", "columns", 5),
         ("scan", "custom_jvp", "rows", 2),
@@ -140,32 +112,18 @@ def test_empty_block(method, adjoint, layout, d):
     def f(A, x0):
         return krylovjax.krylov(A, x0, d, layout=layout, method=method, adjoint=adjoint)
 
-    out = jax.jit(f)(A, x0)
+    out, (grad_A, grad_x0) = jax.jit(
+        lambda A, x0: (f(A, x0), jax.grad(lambda A, x0: f(A, x0).sum(), (0, 1))(A, x0))
+    )(A, x0)
     assert out.shape == ((N, d, 0) if layout == "columns" else (d, N, 0))
-    grad_A, grad_x0 = jax.jit(jax.grad(lambda A, x0: f(A, x0).sum(), (0, 1)))(A, x0)
     assert grad_A.shape == (N, N)
     assert not grad_A.any()
     assert grad_x0.shape == (N, 0)
 
 
-@pytest.mark.parametrize("d", [2, 5])
-def test_empty_block_doubling_gradient(d):
-    # Doubling's reverse pass takes a block of zero columns, at n = 5 with one level
-    # (d = 2, the powers fit in memory) and with three (d = 5, where they do not).
-    A, _ = random_problem(jnp.float64)
-    x0 = jnp.zeros((N, 0))
-
-    def loss(A, x0):
-        return krylovjax.krylov(A, x0, d, method="doubling", adjoint="custom_vjp").sum()
-
-    grad_A, grad_x0 = jax.grad(loss, argnums=(0, 1))(A, x0)
-    assert grad_A.shape == (N, N)
-    assert not grad_A.any()
-    assert grad_x0.shape == (N, 0)
-
-
-def _vjp_pair(kind, dtype, d, block, layout="columns", n=N, seed=0):
-    """VJPs of doubling (custom rule) and scan (autodiff) at one random cotangent."""
+def _vjp_pair(kind, dtype, d, block, layout="columns", n=N, seed=0, pairs=None):
+    """VJPs of doubling (custom rule), scan (autodiff) and doubling (autodiff), or of
+    `pairs` of (method, adjoint), at one random cotangent."""
     A, x0 = random_problem(dtype, block, n=n, seed=seed)
     params, build = make_operator(kind, A)
 
@@ -181,13 +139,15 @@ def _vjp_pair(kind, dtype, d, block, layout="columns", n=N, seed=0):
         jr.key(seed + 7), jax.eval_shape(f("scan", "autodiff"), params, x0)
     )
 
-    @jax.jit
-    def vjps(params, x0, ct):
+    if pairs is None:
         pairs = [
             ("doubling", "custom_vjp"),
             ("scan", "autodiff"),
             ("doubling", "autodiff"),
         ]
+
+    @jax.jit
+    def vjps(params, x0, ct):
         return [jax.vjp(f(*pair), params, x0)[1](ct) for pair in pairs]
 
     return vjps(params, x0, ct)
@@ -211,16 +171,26 @@ def test_vjp_against_scan(kind, dtype, block):
     assert_trees_close(autodiff, scan, **tol(dtype))
 
 
-@pytest.mark.parametrize("layout, d", [("columns", 2), ("rows", 5), ("columns", 16)])
-def test_vjp_layouts_and_depths(layout, d):
-    custom, scan, _ = _vjp_pair("dense", jnp.float64, d, 2, layout)
-    assert_trees_close(custom, scan, **tol(jnp.float64))
+# Both schemes of the reverse pass at every d mod 4, vector and block and the
+# layouts in turn. It transposes the forward levels while the ceil(log2 d) powers
+# fit, n (ceil(log2 d) - 2) <= 2 d b: every case at n = 5 (and every d <= 4). It
+# runs the Hillis-Steele scan otherwise: the cases at n = 12 to 34.
+REVERSE_CASES = [
+    (5, 2, 2, "columns"),
+    (5, 3, None, "rows"),
+    (5, 5, 2, "rows"),
+    (5, 16, 2, "columns"),
+    (12, 5, None, "columns"),
+    (26, 6, 2, "rows"),
+    (15, 7, None, "columns"),
+    (34, 8, 2, "rows"),
+]
 
 
-def test_vjp_hillis_steele_path():
-    # n = 12, d = 5: the tree scan's powers would not fit, so the reverse pass takes
-    # the Hillis-Steele scheme inside `krylov` too.
-    custom, scan, _ = _vjp_pair("dense", jnp.float64, 5, None, n=12)
+@pytest.mark.parametrize("n, d, block, layout", REVERSE_CASES)
+def test_vjp_both_reverse_schemes_every_depth(n, d, block, layout):
+    pairs = [("doubling", "custom_vjp"), ("scan", "autodiff")]
+    custom, scan = _vjp_pair("dense", jnp.float64, d, block, layout, n=n, pairs=pairs)
     assert_trees_close(custom, scan, **tol(jnp.float64))
 
 
@@ -258,7 +228,10 @@ def test_grads_finite_differences(kind, block, adjoint):
     def f(p, x):
         return krylovjax.krylov(build(p), x, 6, method="doubling", adjoint=adjoint)
 
-    check_grads(f, (params, x0), order=2, modes=["rev"])
+    # First order: second derivatives of doubling's rule are checked against
+    # autodiff in test_jit_and_grad_of_grad and in
+    # test_transforms.py::test_krylov_forward_mode (jax.hessian).
+    check_grads(f, (params, x0), order=1, modes=["rev"])
 
 
 def test_grads_finite_differences_complex():
@@ -268,7 +241,7 @@ def test_grads_finite_differences_complex():
     def f(A, x):
         return krylovjax.krylov(A, x, 5, layout="rows", method="doubling")
 
-    check_grads(f, (A, x0), order=2, modes=["rev"])
+    check_grads(f, (A, x0), order=1, modes=["rev"])
 
 
 def test_forward_mode_with_autodiff_adjoint():
@@ -317,16 +290,27 @@ def test_vmap_over_x0_and_A(in_axes):
     As = jnp.stack([random_problem(jnp.float64, seed=s)[0] for s in range(3)])
     xs = jnp.stack([random_problem(jnp.float64, seed=s)[1] for s in range(3)])
     args = (As[0] if in_axes[0] is None else As, xs[0] if in_axes[1] is None else xs)
-    for make in (_krylov_6, lambda m: jax.grad(_weighted_loss(m), (0, 1))):
-        got = jax.jit(jax.vmap(make("doubling"), in_axes))(*args)
-        want = jax.jit(jax.vmap(make("scan"), in_axes))(*args)
+    makes = (_krylov_6, lambda m: jax.grad(_weighted_loss(m), (0, 1)))
+
+    @jax.jit
+    def run(*args):
+        return [
+            [jax.vmap(make(m), in_axes)(*args) for m in ("doubling", "scan")]
+            for make in makes
+        ]
+
+    for got, want in run(*args):
         assert_trees_close(got, want, **tol(jnp.float64))
 
 
 def test_checkpoint():
     A, x0 = random_problem(jnp.float64)
-    got = jax.jit(jax.grad(jax.checkpoint(_weighted_loss("doubling")), (0, 1)))(A, x0)
-    want = jax.jit(jax.grad(_weighted_loss("scan"), (0, 1)))(A, x0)
+    got, want = jax.jit(
+        lambda A, x0: (
+            jax.grad(jax.checkpoint(_weighted_loss("doubling")), (0, 1))(A, x0),
+            jax.grad(_weighted_loss("scan"), (0, 1))(A, x0),
+        )
+    )(A, x0)
     assert_trees_close(got, want, **tol(jnp.float64))
 
 

@@ -7,9 +7,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from helpers import (
-    DTYPES,
     MLP,
-    assert_rule_in_jaxpr,
     assert_trees_close,
     iterate_scan_reference,
     random_array,
@@ -64,16 +62,20 @@ def test_values_tuple_state_closure():
     w = jnp.array([[0.5, -0.2], [0.1, 0.3]])
     step = lambda s: (jnp.tanh(w @ s[0]) + s[1], 0.5 * s[1])  # noqa: E731
     x0 = (jnp.array([1.0, -1.0]), jnp.array([0.2, 0.4]))
-    xs = krylovjax.iterate(step, x0, D)
+    xs = jax.jit(lambda x0: krylovjax.iterate(step, x0, D))(x0)
     assert isinstance(xs, tuple)
     assert_trees_close(xs, _python_loop(step, x0, D), **tol(jnp.float64))
 
 
 def test_depth_one_returns_x0_with_new_axis():
     step, state = _coupled(jnp.float32)
-    xs = krylovjax.iterate(step, state, 1)
+    xs, grad = jax.jit(
+        lambda s: (
+            krylovjax.iterate(step, s, 1),
+            jax.grad(lambda s: krylovjax.iterate(step, s, 1)["x"].sum())(s),
+        )
+    )(state)
     assert_trees_close(xs, jax.tree_util.tree_map(lambda x: x[None], state), rtol=0)
-    grad = jax.grad(lambda s: krylovjax.iterate(step, s, 1)["x"].sum())(state)
     np.testing.assert_array_equal(grad["x"], np.ones(3, np.float32))
     np.testing.assert_array_equal(grad["y"], np.zeros((2, 3), np.float32))
 
@@ -81,7 +83,9 @@ def test_depth_one_returns_x0_with_new_axis():
 # ------------------------------------------------------------------- gradients
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# One single-precision real and one double-precision complex dtype: the rules'
+# code is the same for every dtype, these two show rounding and conjugation.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex128])
 def test_values_and_vjp_pytree_state_against_scan_autodiff(dtype):
     # Both rules (the default is custom_jvp) against plain autodiff through a scan
     # and through a Python loop, values and VJPs, in one program.
@@ -123,20 +127,22 @@ def test_vjp_mlp_against_scan_autodiff(adjoint):
 
 
 # Each rule once, on each kind of step: custom_jvp (forward and reverse) on an MLP,
-# custom_vjp (reverse) on a pytree state.
+# custom_vjp (reverse) on a pytree state. First order: second derivatives of every
+# rule are checked against autodiff in test_transforms.py (test_iterate_transforms,
+# grad of grad; test_iterate_forward_mode, jax.hessian).
 @pytest.mark.parametrize("adjoint", ["custom_jvp"])
 def test_grads_mlp_finite_differences(adjoint):
     mlp = MLP(jr.key(0), state=3, width=4)
     x0 = random_array(jr.key(1), (3,), jnp.float64)
     f = jax.jit(lambda m, x: krylovjax.iterate(m, x, 3, adjoint=adjoint))
-    check_grads(f, (mlp, x0), order=2, modes=MODES[adjoint])
+    check_grads(f, (mlp, x0), order=1, modes=MODES[adjoint])
 
 
 @pytest.mark.parametrize("adjoint", ["custom_vjp"])
 def test_grads_pytree_state_finite_differences(adjoint):
     step, state = _coupled(jnp.float64, seed=3)
     f = jax.jit(lambda s, x: krylovjax.iterate(s, x, 3, adjoint=adjoint))
-    check_grads(f, (step, state), order=2, modes=MODES[adjoint])
+    check_grads(f, (step, state), order=1, modes=MODES[adjoint])
 
 
 def test_jvp_pytree_state_with_custom_jvp():
@@ -170,9 +176,11 @@ def test_grads_closure_over_traced_array(adjoint):
         return jnp.sum(fn(lambda x: jnp.sin(w @ x), x0, D) ** 2)
 
     lib = lambda s, x, d: krylovjax.iterate(s, x, d, adjoint=adjoint)  # noqa: E731
-    grads = jax.jit(jax.grad(lambda w, x: loss(lib, w, x), (0, 1)))(w, x0)
-    expected = jax.jit(
-        jax.grad(lambda w, x: loss(iterate_scan_reference, w, x), (0, 1))
+    grads, expected = jax.jit(
+        lambda w, x: [
+            jax.grad(lambda w, x, fn=fn: loss(fn, w, x), (0, 1))(w, x)
+            for fn in (lib, iterate_scan_reference)
+        ]
     )(w, x0)
     assert_trees_close(grads, expected, **tol(jnp.float64))
 
@@ -213,7 +221,9 @@ def test_custom_rules_save_less_memory_than_autodiff():
     # A wide hidden layer: autodiff through the scan saves every step's hidden
     # activations; the hand-written rules save only the trajectory (custom_jvp:
     # its tangent step is checkpointed, so the transposed scan recomputes each
-    # step's linearisation instead of saving it).
+    # step's linearisation instead of saving it). This is also what shows that
+    # each rule runs: a call that fell back to autodiff would keep the hidden
+    # layers, and `adjoint="autodiff"` that did not would not.
     state, width, d = 8, 512, 64
     mlp = MLP(jr.key(0), state=state, width=width, dtype=jnp.float32)
     x0 = random_array(jr.key(1), (state,), jnp.float32)
@@ -235,13 +245,3 @@ def test_custom_rules_save_less_memory_than_autodiff():
     # The default's reverse pass (the transpose of its tangent map) recomputes the
     # hidden layers as the custom_vjp does.
     assert custom["custom_jvp"] <= custom["custom_vjp"]
-
-
-# ------------------------------------------------- the custom rule really runs
-
-
-@pytest.mark.parametrize("adjoint", ["custom_vjp", "custom_jvp", "autodiff"])
-def test_custom_rule_in_jaxpr(adjoint):
-    step, state = _coupled(jnp.float32)
-    f = lambda s, x: krylovjax.iterate(s, x, D, adjoint=adjoint)  # noqa: E731
-    assert_rule_in_jaxpr(jax.make_jaxpr(f)(step, state), adjoint)
