@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import sparse
+from jax.test_util import check_jvp, check_vjp
 
 import krylovjax
 
@@ -29,6 +30,7 @@ METHODS = ("scan", "doubling")
 ADJOINTS = ("custom_vjp", "custom_jvp", "autodiff")
 LAYOUTS = ("columns", "rows")
 DTYPES = (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128)
+DECOMPOSITIONS = ("arnoldi", "lanczos")
 MATRIX_KINDS = ("dense", "bcoo")
 CALLABLE_KINDS = ("closure", "module", "method")
 KINDS = MATRIX_KINDS + CALLABLE_KINDS
@@ -87,6 +89,19 @@ def _scaled(x, scale):
 def random_matrix(key, n, dtype, scale=0.9):
     """A random (n, n) matrix of spectral radius around `scale`."""
     return _scaled(random_array(key, (n, n), dtype), scale / np.sqrt(n))
+
+
+def spd(n=10, seed=0, low=0.5, high=4.0, dtype=np.float64):
+    """A NumPy symmetric positive definite `(n, n)` matrix (Hermitian for a complex
+    `dtype`) with eigenvalues evenly spread over `[low, high]` and random
+    eigenvectors."""
+    rng = np.random.default_rng(seed)
+    Z = rng.normal(size=(n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        Z = Z + 1j * rng.normal(size=(n, n))
+    Q, _ = np.linalg.qr(Z)
+    S = (Q * np.linspace(low, high, n)) @ Q.conj().T
+    return (S + S.conj().T) / 2
 
 
 def x0_shape(n, block):
@@ -192,6 +207,18 @@ def make_operator(kind, A):
     raise ValueError(kind)
 
 
+def full_operator(kind, A):
+    """`(params, build)` as `make_operator` gives, for `kind` in dense, bcoo,
+    closure, module, but with every entry of `A` stored in the BCOO matrix (zeros
+    too, so the pattern is symmetric): `build(params)`'s matrix is all of `A`."""
+    A = jnp.asarray(A)
+    if kind == "bcoo":
+        B = sparse.BCOO.fromdense(A, nse=A.size)
+        indices, shape = B.indices, B.shape
+        return B.data, lambda data: sparse.BCOO((data, indices), shape=shape)
+    return make_operator(kind, A)
+
+
 def dense_of(kind, params):
     """The dense matrix that `make_operator(kind, ...)`'s operator represents."""
     if kind in ("dense", "closure"):
@@ -243,22 +270,6 @@ def assert_trees_close(a, b, **kwargs):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kwargs)
 
 
-def assert_rule_in_jaxpr(closed_jaxpr, adjoint):
-    """Check which custom-derivative primitive the traced call contains.
-
-    Equinox's `filter_custom_vjp` wraps its rule in a `custom_jvp` of its own, so a
-    custom_vjp shows both primitives; a custom_jvp shows only `custom_jvp_call`; plain
-    autodiff shows neither.
-    """
-    names = {eqn.primitive.name for eqn in closed_jaxpr.jaxpr.eqns}
-    if adjoint == "autodiff":
-        assert not any(name.startswith("custom_") for name in names), names
-    elif adjoint == "custom_vjp":
-        assert "custom_vjp_call" in names, names
-    else:
-        assert "custom_jvp_call" in names and "custom_vjp_call" not in names, names
-
-
 def random_problem(dtype, block=None, n=5, seed=0):
     """A random `(n, n)` matrix of spectral radius about 0.9 and an `x0` of shape
     `(n,)` or `(n, block)`, in `dtype`."""
@@ -281,6 +292,39 @@ def vjps(fs, args, key):
         return results
 
     return run(args, ct)
+
+
+def check_finite_differences(f, derivatives, args, eps=None):
+    """`jax.test_util.check_grads(f, args, order=1, modes=("fwd", "rev"), eps=eps)`
+    with every evaluation taken from a program that the test has compiled already.
+
+    `derivatives(args, tangents, cotangents)` returns `(f(*args), vjp, jvp)`: the
+    VJP of `cotangents` and the JVP along `tangents`, typically one jitted program
+    that serves the test's other checks too. `check_jvp` and `check_vjp` call it
+    with their own random directions, and for the finite differences at `args`
+    moved along them, all of the shapes of `args` and of `f`'s output: nothing new
+    is compiled (`f` is only traced, for those shapes). The same directions, step
+    and tolerances as `check_grads`.
+    """
+    args = tuple(args)
+    step = {} if eps is None else {"eps": eps}
+    zero_tangents = jax.tree.map(jnp.zeros_like, args)
+    zero_cotangents = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(f, *args)
+    )
+
+    def forward(*primals):
+        return derivatives(primals, zero_tangents, zero_cotangents)[0]
+
+    def f_jvp(primals, tangents):
+        out, _, jvp = derivatives(tuple(primals), tuple(tangents), zero_cotangents)
+        return out, jvp
+
+    def f_vjp(*primals):
+        return forward(*primals), lambda ct: derivatives(primals, zero_tangents, ct)[1]
+
+    check_jvp(forward, f_jvp, args, **step)
+    check_vjp(forward, f_vjp, args, **step)
 
 
 # ------------------------------------------------------ losses and memory
@@ -458,6 +502,38 @@ def decomposition_problem(kind, dtype, n=6, hermitian=False, seed=0):
         return B.data, build, lambda data: build(data).todense(), x0
     params, build = make_operator(kind, A)
     return params, build, lambda p: dense_of(kind, p), x0
+
+
+def decompose(method, A, x0, d, **options):
+    """`krylovjax.arnoldi` or `krylovjax.lanczos` (`method`, one of
+    `DECOMPOSITIONS`)."""
+    return getattr(krylovjax, method)(A, x0, d, **options)
+
+
+def decomposition_fn(method, d, build=lambda p: p, **options):
+    """`(params, x0) ->` the arrays of `decompose(method, build(params), x0, d,
+    **options)` as a tuple, in field order: Arnoldi's `(basis, hessenberg,
+    residual, norm)`, Lanczos's `(basis, diagonal, off_diagonal, residual,
+    norm)`."""
+
+    def f(params, x0):
+        return tuple(
+            jax.tree.leaves(decompose(method, build(params), x0, d, **options))
+        )
+
+    return f
+
+
+def small_matrix(dec):
+    """The `(d, d)` matrix of a decomposition: Arnoldi's `H`, Lanczos's `T`."""
+    return dec.hessenberg if isinstance(dec, krylovjax.Arnoldi) else dec.matrix()
+
+
+def decomposition_numpy(method, A, x0, d, reorthogonalize=True):
+    """The NumPy reference (`arnoldi_numpy`, `lanczos_numpy`), its arrays in the
+    order of `decomposition_fn`."""
+    reference = arnoldi_numpy if method == "arnoldi" else lanczos_numpy
+    return reference(A, x0, d, reorthogonalize)
 
 
 def arnoldi_numpy(A, x0, d, reorthogonalize=True):

@@ -19,8 +19,7 @@ import jax.scipy.linalg
 import numpy as np
 import pytest
 import scipy.linalg
-from helpers import Linear, run_on_four_devices, unchecked
-from jax.experimental import sparse
+from helpers import Linear, full_operator, run_on_four_devices, spd, unchecked
 from jax.test_util import check_grads
 
 import krylovjax
@@ -31,18 +30,6 @@ expm = jax.scipy.linalg.expm
 
 
 # ------------------------------------------------------------------- problems
-
-
-def spd(n=N, seed=0, low=0.5, high=4.0, dtype=np.float64):
-    """A symmetric positive definite matrix with eigenvalues evenly spread over
-    [low, high] (Hermitian for a complex dtype)."""
-    rng = np.random.default_rng(seed)
-    Z = rng.normal(size=(n, n))
-    if np.issubdtype(dtype, np.complexfloating):
-        Z = Z + 1j * rng.normal(size=(n, n))
-    Q, _ = np.linalg.qr(Z)
-    S = (Q * np.linspace(low, high, n)) @ Q.conj().T
-    return (S + S.conj().T) / 2
 
 
 def general(n=N, seed=2, dtype=np.float64):
@@ -68,26 +55,8 @@ def sym_funm(S, f):
     return (V * f(w)) @ V.conj().T
 
 
-def operator(kind, A):
-    """`(params, build)`: `build(params)` is the operator `A` as `kind`, and
-    gradients are taken with respect to `params`. The BCOO matrix stores every
-    entry, so its pattern is symmetric."""
-    A = jnp.asarray(A)
-    if kind == "dense":
-        return A, lambda p: p
-    if kind == "bcoo":
-        B = sparse.BCOO.fromdense(A, nse=A.size)
-        indices, shape = B.indices, B.shape
-        return B.data, lambda data: sparse.BCOO((data, indices), shape=shape)
-    if kind == "closure":
-        return A, lambda p: lambda x: p @ x
-    if kind == "module":
-        return Linear(A), lambda m: m
-    raise ValueError(kind)
-
-
 def symmetrise(kind, params):
-    """The parameters of `operator(kind, ...)` made symmetric. Finite differences
+    """The parameters of `full_operator(kind, ...)` made symmetric. Finite differences
     perturb a matrix off the symmetric ones, which Lanczos does not represent, so
     the gradient checks differentiate through this, as a model that learns a
     symmetric matrix does."""
@@ -205,7 +174,7 @@ def test_complex_hermitian_and_complex_valued_f():
 
 def test_operator_kinds_agree_with_dense():
     S, A, b = jnp.asarray(spd()), jnp.asarray(general()), jnp.asarray(vector())
-    kinds = {kind: (operator(kind, -S), operator(kind, A)) for kind in KINDS}
+    kinds = {kind: (full_operator(kind, -S), full_operator(kind, A)) for kind in KINDS}
 
     @jax.jit
     def run(params):
@@ -406,8 +375,8 @@ def test_check_grads_fwd_and_rev():
     operator's arrays, `b`, and an array that `f` closes over: Lanczos on a BCOO
     matrix, and Arnoldi on a complex callable (one program for both)."""
     n, d = 6, 4
-    p_bcoo, build_bcoo = operator("bcoo", spd(n))
-    p_closure, build_closure = operator("closure", general(n, dtype=np.complex128))
+    p_bcoo, build_bcoo = full_operator("bcoo", spd(n))
+    p_closure, build_closure = full_operator("closure", general(n, dtype=np.complex128))
     b, b_c = jnp.asarray(vector(n)), jnp.asarray(vector(n, dtype=np.complex128))
 
     def call(p_bcoo, p_closure, b, b_c, t):
@@ -779,7 +748,7 @@ def test_logdet_gradient_closed_forms():
 def test_trace_operator_kinds():
     S, key = spd(n=6), jr.key(2)
     like = jax.ShapeDtypeStruct((6,), jnp.float64)
-    kinds = {kind: operator(kind, S) for kind in KINDS}
+    kinds = {kind: full_operator(kind, S) for kind in KINDS}
 
     @jax.jit
     def run(params):
@@ -798,7 +767,7 @@ def test_trace_operator_kinds():
 def test_trace_check_grads():
     """Finite differences for the estimate with an `equinox.Module` operator."""
     kind = "module"
-    params, build = operator(kind, spd(n=6))
+    params, build = full_operator(kind, spd(n=6))
     key, t = jr.key(2), jnp.asarray(0.3)
 
     def est(params, t):
