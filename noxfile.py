@@ -1,4 +1,6 @@
-"""Sessions that mirror CI: `nox -s tests lint typecheck examples docs bench`."""
+"""Sessions that mirror CI: `nox -s tests lint typecheck examples docs`.
+
+By hand: `bench`, `gpu` and `min_versions`."""
 
 import glob
 
@@ -80,3 +82,11 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench]")
     for path in sorted(glob.glob("benchmarks/bench_*.py")):
         session.run("python", path, *session.posargs)
+
+
+@nox.session(python="3.11")
+def gpu(session: nox.Session) -> None:
+    # The accelerator table, on JAX's default backend (`-- --fast` for a CPU smoke
+    # run, as in CI). Install the jaxlib for the accelerator first.
+    session.install("-e", ".[bench]")
+    session.run("python", "benchmarks/gpu.py", *session.posargs)
