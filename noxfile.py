@@ -36,7 +36,6 @@ NEWER_JAX_TESTS = [
     "tests/test_inputs.py::test_integer_dtype_reported_as_given",
     "tests/test_inputs.py::test_depth_beyond_int32_counter",
     "tests/test_nn_inputs.py::test_default_dtype_follows_64_bit_mode",
-    "tests/test_sharding.py::test_auto_mesh_output_sharding",
 ]
 
 

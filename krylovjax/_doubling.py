@@ -71,6 +71,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Inexact
 
 from ._operator import AbstractOperator, DenseOperator
@@ -337,8 +338,18 @@ def _doubling(columns):
         n = jax.eval_shape(operator.as_matrix).shape[0]
         if x0.shape[0] != n or x0.size == n:
             # A callable's matrix acts on x0 flattened (a vector needs no reshape).
-            xs = columns(operator, x0.reshape(n, 1), d)
-            return xs.T.reshape(d, *x0.shape)
+            # On an explicit mesh a split axis cannot be flattened: x0 is gathered
+            # first (the matrix is replicated too), the stack split like x0 after.
+            sharding = jax.typeof(x0).sharding
+            explicit = jax.sharding.AxisType.Explicit in sharding.mesh.axis_types
+            if explicit:
+                x0 = jax.sharding.reshard(x0, sharding.update(spec=P()))
+            xs = columns(operator, x0.reshape(n, 1), d).T.reshape(d, *x0.shape)
+            if explicit:
+                xs = jax.sharding.reshard(
+                    xs, sharding.update(spec=P(None, *sharding.spec))
+                )
+            return xs
         return jnp.moveaxis(columns(operator, x0[:, None], d), 1, 0)
 
     return build

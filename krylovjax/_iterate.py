@@ -34,7 +34,14 @@ import jax.tree_util as jtu
 from jax import lax
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
-from ._operator import closure_convert
+from ._operator import (
+    any_unplaced,
+    closure_convert,
+    convert_callable,
+    explicit_mesh,
+    on_common_mesh,
+    typed_like,
+)
 from ._sequence import ADJOINTS, Adjoint, trajectory, with_first
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 from ._typing import StaticInt
@@ -102,8 +109,18 @@ def iterate(
             f"{type(step).__name__}."
         )
         raise TypeError(msg)
-    step = closure_convert(step, x0)
-    _check_step_output(jax.eval_shape(step, x0), x0)
+    fn, out = convert_callable(step, x0, "iterate(step=...)", "iterate(x0=...)")
+    _check_step_output(out, x0)
+    mesh = explicit_mesh(fn, x0, out)
+    if mesh is not None:
+        # On an explicit mesh the scan's carry keeps x0's type: arrays placed on no
+        # mesh are replicated on it, and each new state is typed like the last.
+        if any_unplaced(x0):
+            # Converted again with x0 on the mesh, as `krylov` does for a callable.
+            x0 = on_common_mesh(mesh, x0)
+            fn = closure_convert(step, x0)
+        fn = _TypedLikeInput(on_common_mesh(mesh, fn))
+    step = fn
     if d == 1:
         return jtu.tree_map(lambda x: x[None], x0)
     if adjoint == "custom_vjp":
@@ -147,6 +164,18 @@ def _check_step_output(out: Any, x0: Any) -> None:
                 f"expected dtype {want.dtype}, got {got.dtype} for the leaf {where}."
             )
             raise TypeError(msg)
+
+
+class _TypedLikeInput(eqx.Module):
+    """`step` with each leaf of its output typed like its input (`typed_like`): on
+    an explicit mesh `S @ x` for a row-sharded `S` is sharded by rows whatever `x`
+    is, and a scan's carry must keep its type. Its derivatives are the step's, with
+    each cotangent and tangent typed like the state."""
+
+    step: Callable
+
+    def __call__(self, x):
+        return jtu.tree_map(typed_like, self.step(x), x)
 
 
 def iterate_scan(step: Any, x0: Any, d: int) -> Any:
@@ -196,7 +225,8 @@ def adjoint_states(step: Any, xs: Any, g: Any, want_params: bool) -> tuple[Any, 
     diff, static = eqx.partition(step, eqx.is_inexact_array)
     # The cotangent may arrive as NumPy arrays (`vjp_fn(np.ones(...))`), which
     # cannot be indexed by the traced step counter below.
-    g = jtu.tree_map(jnp.asarray, g)
+    # On an explicit mesh the adjoint carry is typed like the states.
+    g = jtu.tree_map(lambda gx, x: typed_like(jnp.asarray(gx), x), g, xs)
 
     def body(carry, k):
         lam_next, acc = carry
@@ -204,11 +234,11 @@ def adjoint_states(step: Any, xs: Any, g: Any, want_params: bool) -> tuple[Any, 
         if want_params:
             _, vjp = jax.vjp(lambda p, x: eqx.combine(p, static)(x), diff, x_k)
             ct_params, ct_x = vjp(lam_next)
-            acc = jtu.tree_map(jnp.add, acc, ct_params)
+            acc = jtu.tree_map(lambda a, c: a + typed_like(c, a), acc, ct_params)
         else:
             _, vjp = jax.vjp(step, x_k)
             (ct_x,) = vjp(lam_next)
-        lam = jtu.tree_map(lambda gk, c: gk[k] + c, g, ct_x)
+        lam = jtu.tree_map(lambda gk, c, x: typed_like(gk[k] + c, x), g, ct_x, x_k)
         return (lam, acc), None
 
     lam_last = jtu.tree_map(lambda gx: gx[d - 1], g)

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
+from jax.core import Tracer
 from jax.experimental import sparse
 from jaxtyping import Array, Inexact, Shaped
 
@@ -121,6 +122,107 @@ def typed_like(y: Array, like: Array) -> Array:
     if jax.typeof(y).sharding == sharding:
         return y
     return jax.sharding.reshard(y, sharding)
+
+
+def _sharding_of(x: Any) -> Any:
+    """The sharding of an array or `jax.ShapeDtypeStruct`: a concrete array's own
+    (on a concrete `Mesh`, which an eager `reshard` needs), else its type's (on an
+    abstract mesh)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x.sharding
+    if isinstance(x, jax.Array) and not isinstance(x, Tracer):
+        return x.sharding
+    return jax.typeof(x).sharding
+
+
+def explicit_mesh(*trees: Any) -> Any:
+    """The mesh of the first array (or `jax.ShapeDtypeStruct`) among the leaves of
+    `trees` that lies on a mesh with an `Explicit` axis, replicated or not; `None`
+    if there is none."""
+    for x in jtu.tree_leaves(trees):
+        if not (eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)):
+            continue
+        mesh = getattr(_sharding_of(x), "mesh", None)
+        if mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types:
+            return mesh
+    return None
+
+
+def _unplaced(x: Any) -> bool:
+    return eqx.is_array(x) and jax.typeof(x).sharding.mesh.empty
+
+
+def convert_callable(A: Callable, x0: Any, arg: str, vector: str) -> tuple:
+    """`closure_convert(A, x0)` and the shape of its output.
+
+    On an explicit mesh a callable whose own products JAX cannot type for `x0`'s
+    sharding (a matrix split by columns times a vector split by rows; under
+    `jax.vmap`, a matrix split by rows times a batch split on the same axis)
+    raises a `ValueError` naming both arguments, rather than JAX's error from
+    inside the callable, later. There the callable is also applied once to `x0`
+    itself, whose batch axis under `jax.vmap` its shape does not show (the
+    result is unused: under `jax.jit` nothing of it is compiled)."""
+    try:
+        fn = closure_convert(A, x0)
+        out = jax.eval_shape(fn, x0)
+        if explicit_mesh(fn, x0, out) is not None:
+            fn(x0)
+        return fn, out
+    except Exception as err:
+        # JAX's sharding errors have no public names.
+        if type(err).__name__ not in ("ShardingTypeError", "DuplicateSpecError"):
+            raise
+        typed = _typed(x0)
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        msg = (
+            f"`{arg}` cannot be applied to `{vector}` of type {typed}: JAX cannot "
+            f"type the callable's products for that sharding ({reason}). On an "
+            f"`Explicit` mesh give `{vector}` a sharding that the callable accepts, "
+            f"or state its products' shardings inside it (`out_sharding=`)."
+        )
+        raise ValueError(msg) from err
+
+
+def _typed(x: Any) -> str:
+    """`x`'s type with its sharding, as JAX writes it (`float64[8@x]`); the types
+    of a pytree's leaves, comma-separated."""
+    types = []
+    for leaf in jtu.tree_leaves(x):
+        aval = jax.typeof(leaf)
+        try:
+            types.append(aval.str_short(mesh_axis_types=True))
+        except TypeError:  # a JAX that does not name the axis types
+            types.append(aval.str_short())
+    return ", ".join(types)
+
+
+def on_common_mesh(mesh: Any, tree: Any) -> Any:
+    """`tree` with each array that lies on no mesh replicated on `mesh` (`None`:
+    `tree` unchanged).
+
+    On an explicit mesh an array that was never placed (a plain `jnp.ones(n)`) has
+    a type without a mesh, and it does not mix with the operator's: `A @ x0` is
+    typed on `A`'s mesh, so the scan's carry, the concatenation of `x0` with the
+    stack and the reverse pass's buffers would not match, and a contraction over a
+    sharded axis cannot state its result's sharding on a matrix without a mesh.
+    Replicated on the mesh of the others, it is what `device_put(x, P())` makes;
+    its gradient comes back as it came in.
+    """
+    if mesh is None:
+        return tree
+
+    def place(x):
+        if not _unplaced(x):
+            return x
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.sharding.reshard(jnp.asarray(x), sharding)
+
+    return jtu.tree_map(place, tree)
+
+
+def any_unplaced(tree: Any) -> bool:
+    """Whether an array among the leaves of `tree` lies on no mesh."""
+    return any(_unplaced(x) for x in jtu.tree_leaves(tree))
 
 
 # The reverse pass (see `_scan.py`) adds each chunk's gradient of a dense (n, n)
@@ -218,7 +320,10 @@ class DenseOperator(AbstractOperator):
     matrix: Inexact[Array, "n n"]
 
     def mv(self, x: Shaped[Array, "n ..."]) -> Shaped[Array, "n ..."]:
-        return self.matrix @ x
+        # Typed like `x` on an explicit mesh (see `_like_input`): a column-sharded
+        # matrix and an `x` split by rows contract an axis that both shard.
+        dims = (((1,), (0,)), ((), ()))
+        return lax.dot_general(self.matrix, x, dims, out_sharding=_like_input(x))
 
     def transpose(self) -> AbstractOperator:
         return DenseTransposeOperator(self.matrix)
@@ -227,7 +332,9 @@ class DenseOperator(AbstractOperator):
         return self.matrix
 
     def mm(self, xs: Shaped[Array, "k n ..."]) -> Shaped[Array, "k n ..."]:
-        return jnp.einsum("nm,km...->kn...", self.matrix, xs)
+        return jnp.einsum(
+            "nm,km...->kn...", self.matrix, xs, out_sharding=_like_input(xs)
+        )
 
     def param_vjp(self, xs: Array, cts: Array) -> AbstractOperator:
         # sum_k ct_k x_k^T: contract the stack axis and any block axis in one GEMM.
@@ -385,6 +492,16 @@ class SparseOperator(AbstractOperator):
         return SparseOperator(self.matrix, not self.transposed)
 
     def as_matrix(self) -> Array:
+        data, indices = self.matrix.data, self.matrix.indices
+        mesh = explicit_mesh(data, indices)
+        if mesh is not None:
+            # JAX's `todense` scatters the entries with no sharding it can state
+            # when they are split on an explicit mesh; the product with the
+            # identity states it (`_sparse.spmv`), and gives it a gradient. The
+            # matrix is replicated on the mesh, also when the call is outside it.
+            n = self.matrix.shape[0]
+            eye = on_common_mesh(mesh, jnp.eye(n, dtype=data.dtype))
+            return typed_like(spmv(data, indices, eye, n, self.transposed, False), eye)
         dense = self.matrix.todense()
         return dense.T if self.transposed else dense
 
@@ -480,7 +597,17 @@ class FunctionOperator(AbstractOperator):
         shape, dtype = self.in_structure.shape, self.in_structure.dtype
         size = math.prod(shape)
         units = jnp.eye(size, dtype=dtype).reshape(size, *shape)
-        return jax.vmap(self.fn)(units).reshape(size, size).T
+        sharding = self.in_structure.sharding
+        if jax.sharding.AxisType.Explicit not in sharding.mesh.axis_types:
+            return jax.vmap(self.fn)(units).reshape(size, size).T
+        # On an explicit mesh each unit input is typed like `x0` (the converted
+        # callable checks it), and the columns are gathered before they are
+        # flattened, which a split axis does not allow.
+        spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+        units = jax.sharding.reshard(units, sharding.update(spec=spec))
+        columns = jax.vmap(self.fn)(units)
+        replicated = sharding.update(spec=jax.sharding.PartitionSpec())
+        return jax.sharding.reshard(columns, replicated).reshape(size, size).T
 
 
 def _zeros(structure: Any) -> Array:
@@ -570,7 +697,9 @@ def as_operator(
     `x0` gives a complex Krylov matrix; weak types count as in JAX's own `A @ x0` (a
     weakly typed `x0` takes the matrix's dtype). A callable must itself return
     `x0`'s shape and dtype, and be linear: nonlinear and affine maps raise a
-    `TypeError`.
+    `TypeError`. When some of the arrays (of `A`, of `x0`, or the callable's output)
+    lie on a mesh with `Explicit` axes, those that lie on no mesh are replicated on
+    it (`on_common_mesh`).
     """
     arg = f"{fn_name}(A=...)"
     check_operator_type(A, arg)
@@ -579,8 +708,9 @@ def as_operator(
         check_bcoo_matrix(A, arg)
         check_inexact(A.data, arg)
         dtype = standard_result_type(A.data, x0)
-        data = A.data.astype(dtype)
-        matrix = sparse.BCOO((data, A.indices), shape=A.shape)
+        mesh = explicit_mesh(A.data, A.indices, x0)
+        data, indices, x0 = on_common_mesh(mesh, (A.data, A.indices, x0))
+        matrix = sparse.BCOO((data.astype(dtype), indices), shape=A.shape)
         return SparseOperator(matrix), x0.astype(dtype)
     if isinstance(A, jax.Array) or _is_numpy_array(A):
         _check_matrix_shape(A.shape, x0, fn_name, vector)
@@ -588,10 +718,10 @@ def as_operator(
         check_inexact(A, arg)
         A = jnp.asarray(A)
         dtype = standard_result_type(A, x0)
+        A, x0 = on_common_mesh(explicit_mesh(A, x0), (A, x0))
         return DenseOperator(A.astype(dtype)), x0.astype(dtype)
     if callable(A):
-        fn = closure_convert(A, x0)
-        out = jax.eval_shape(fn, x0)
+        fn, out = convert_callable(A, x0, arg, f"{fn_name}({vector}=...)")
         if not isinstance(out, jax.ShapeDtypeStruct):
             msg = (
                 f"`{arg}` must be a callable that returns one array of the same shape "
@@ -610,6 +740,12 @@ def as_operator(
                 f"as `{vector}`, {x0.dtype}; it returned dtype {out.dtype}."
             )
             raise TypeError(msg)
+        mesh = explicit_mesh(fn, x0, out)
+        if mesh is not None and any_unplaced(x0):
+            # Traced again with `x0` on the mesh: the conversion checks its type.
+            x0 = on_common_mesh(mesh, x0)
+            fn = closure_convert(A, x0)
+        fn = on_common_mesh(mesh, fn)
         check_linear(fn, x0, arg)
         return FunctionOperator(fn, jax.typeof(x0)), x0
     raise AssertionError  # `check_operator_type` let through no other kind

@@ -84,6 +84,7 @@ from ._operator import (
     FunctionOperator,
     SparseOperator,
     as_operator,
+    explicit_mesh,
 )
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
@@ -194,17 +195,45 @@ def _in_dtype(operator: AbstractOperator, dtype: np.dtype) -> AbstractOperator:
     return FunctionOperator(fn, structure.update(dtype=dtype))
 
 
-def _on_explicit_mesh(tree: Any) -> bool:
-    return any(
-        jax.sharding.AxisType.Explicit in jax.typeof(x).sharding.mesh.axis_types
-        and any(p is not None for p in jax.typeof(x).sharding.spec)
-        for x in jtu.tree_leaves(tree)
-        if eqx.is_array(x)
-    )
-
-
 # What each output of a decomposition is, for its sharding on an Explicit mesh.
 OutputKind = Literal["rows", "vector", "small"]
+
+
+class _OnExplicitAxes(eqx.Module):
+    """A callable operator's function run with the mesh's axes `Explicit`, inside
+    a decomposition that runs with them `Auto` (`on_mesh`).
+
+    The callable was written, traced and closure-converted for the `Explicit`
+    mesh: its jaxpr replays there, and the arrays it reads without holding them
+    (the globals of a plain function) are typed there. Its arrays are the leaves
+    (typed `Auto` inside the decomposition, as its rule needs to add their
+    cotangents) and go back to their own shardings for the call, the input to
+    `x0`'s; the output comes back `Auto`."""
+
+    arrays: Any
+    rest: Any = eqx.field(static=True)
+    specs: Any = eqx.field(static=True)
+    x_spec: Any = eqx.field(static=True)
+
+    def __call__(self, x: Array) -> Array:
+        def call(arrays: Any, x: Array) -> Array:
+            return eqx.combine(arrays, self.rest)(x)
+
+        run: Any = jax.sharding.explicit_axes(
+            call, in_sharding=(self.specs, self.x_spec)
+        )
+        return run(self.arrays, x)
+
+
+def _explicit_inside(operator: AbstractOperator, x0: Array) -> AbstractOperator:
+    """`operator`, a callable one made to run on the `Explicit` mesh inside
+    `jax.sharding.auto_axes` (see `_OnExplicitAxes`)."""
+    if not isinstance(operator, FunctionOperator):
+        return operator
+    arrays, rest = eqx.partition(operator.fn, eqx.is_array)
+    specs = jtu.tree_map(lambda a: jax.typeof(a).sharding.spec, arrays)
+    fn = _OnExplicitAxes(arrays, rest, specs, jax.typeof(x0).sharding.spec)
+    return FunctionOperator(fn, operator.in_structure)
 
 
 def on_mesh(
@@ -220,24 +249,33 @@ def on_mesh(
     sharded axis). `jax.sharding.auto_axes` runs `fn` as on an `Auto` mesh, where
     XLA places the intermediates and inserts the collectives, and types the
     outputs, named by `kinds`: the basis as rows `(d, n)` (`"rows"`) and vectors
-    of length $n$ (`"vector"`) sharded like `x0`, the small outputs replicated."""
-    meshes = [
-        jax.typeof(x).sharding.mesh
-        for x in jtu.tree_leaves((operator, x0))
-        if eqx.is_array(x) and _on_explicit_mesh(x)
-    ]
-    if not meshes:
+    of length $n$ (`"vector"`) sharded like `x0`, the small outputs replicated.
+    The operator's arrays are its arguments and the rest of it is closed over;
+    a callable runs on the `Explicit` mesh (`_OnExplicitAxes`). `x0` lies on the
+    operator's mesh whenever the operator's arrays or its output do
+    (`_operator.as_operator`)."""
+    mesh = explicit_mesh(operator, x0)
+    if mesh is None:
         return fn(operator, x0)
+    arrays, static = eqx.partition(_explicit_inside(operator, x0), eqx.is_array)
+
+    def run_auto(arrays: Any, x0: Array) -> tuple[Array, ...]:
+        inner = eqx.combine(arrays, static)
+        if isinstance(inner, FunctionOperator):
+            # Its input is typed on the `Auto` mesh in here.
+            inner = FunctionOperator(inner.fn, jax.typeof(x0))
+        return fn(inner, x0)
+
     spec = jax.typeof(x0).sharding.spec
     axis = spec[0] if len(spec) else None
     specs = {"rows": P(None, axis), "vector": P(axis), "small": P()}
     out_sharding = tuple(specs[kind] for kind in kinds)
-    run: Any = jax.sharding.auto_axes(fn, out_sharding=out_sharding)
+    run: Any = jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)
     if not jax.sharding.get_abstract_mesh().empty:
-        return run(operator, x0)
+        return run(arrays, x0)
     # Arrays on an explicit mesh, called outside `jax.set_mesh`: their mesh.
-    with jax.sharding.use_abstract_mesh(meshes[0].abstract_mesh):
-        return run(operator, x0)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return run(arrays, x0)
 
 
 def decompose(

@@ -52,10 +52,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.core import Tracer
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental import sparse
 from jax.interpreters import batching
-from jax.sharding import AxisType, PartitionSpec as P, reshard
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard
 from jaxtyping import Array, Int, Shaped
 
 from ._tangent import is_tangent, nones, tangent_primitive
@@ -114,14 +115,24 @@ def _explicit_mesh(*arrays):
 
     There the sharding is part of an array's type, and the gathers and scatters of a
     product cannot infer theirs; `jax.shard_map` states them instead. On an `Auto`
-    mesh, or on one device, XLA's partitioner places the product itself.
+    mesh, or on one device, XLA's partitioner places the product itself. A concrete
+    array gives its concrete mesh, which an eager `reshard` needs.
     """
     for a in arrays:
         sharding = jax.typeof(a).sharding
         explicit = AxisType.Explicit in sharding.mesh.axis_types
         if explicit and any(p is not None for p in sharding.spec):
+            concrete = isinstance(a, jax.Array) and not isinstance(a, Tracer)
+            if concrete and isinstance(a.sharding, NamedSharding):
+                return a.sharding.mesh
             return sharding.mesh
     return None
+
+
+def _on(mesh, x, spec: P):
+    """`x` resharded to `spec` on `mesh`: named with its mesh, so that it needs no
+    `jax.set_mesh` around the call (arrays placed on a mesh, called outside it)."""
+    return reshard(x, NamedSharding(mesh, spec))
 
 
 def _entry_axis(indices):
@@ -174,8 +185,12 @@ def spmv(
         in_specs=(P(axis), P(axis, None), P()),
         out_specs=P(axis) if scatter else P(),
         check_vma=False,
-    )(reshard(data, P(axis)), reshard(indices, P(axis, None)), reshard(x, P()))
-    return reshard(y, x_spec) if y.shape == x.shape else y
+    )(
+        _on(mesh, data, P(axis)),
+        _on(mesh, indices, P(axis, None)),
+        _on(mesh, x, P()),
+    )
+    return _on(mesh, y, x_spec) if y.shape == x.shape else y
 
 
 def _axis_size(mesh, axis) -> int:
@@ -348,10 +363,10 @@ def add_sampled(
         out_specs=P(axis),
         check_vma=False,
     )(
-        reshard(acc, P(axis)),
-        reshard(indices, P(axis, None)),
-        reshard(cts, P()),
-        reshard(stored, P()),
+        _on(mesh, acc, P(axis)),
+        _on(mesh, indices, P(axis, None)),
+        _on(mesh, cts, P()),
+        _on(mesh, stored, P()),
     )
 
 

@@ -264,13 +264,15 @@ class KrylovGraphConv(eqx.Module):
             arg="KrylovGraphConv(num_hops=...)",
             what="the node features `H`",
         )
-        # (N, k + 1, F_in) -> (N, (k + 1) F_in): node n's row is [h_n, (A H)_n, ...].
+        # (N, k + 1, F_in): node n's features are [h_n, (A H)_n, ...].
         features = krylov(adjacency, H, self.num_hops + 1, layout="columns")
-        # An explicit width, not -1, which is ambiguous for N = 0.
         # `features` has the dtype of `H` and `adjacency` promoted with the layer's;
-        # the parameters are cast to it.
+        # the parameters are cast to it. The weight's columns, (k + 1) F_in, as
+        # (k + 1, F_in): one contraction with the features, which need no reshape
+        # (one that an explicit mesh would refuse when `H` is split by columns).
         weight = self.weight.astype(features.dtype)
-        out = features.reshape(n, weight.shape[1]) @ weight.T
+        weight = weight.reshape(weight.shape[0], self.num_hops + 1, self.in_features)
+        out = jnp.einsum("nkf,okf->no", features, weight)
         if self.bias is not None:
             out = out + self.bias.astype(out.dtype)[None, :]
         return out
