@@ -7,6 +7,13 @@ the library is tested to make none of its own: every cast and broadcast in it is
 explicit, and its documented promotions (a matrix `A` with `x0` in `krylov`, the
 layers' inputs with their dtype) are made by JAX's standard rules whatever the
 caller's setting. The tests make their own mixed-dtype operations explicit too.
+
+Compiling is what the suite spends its time on, so XLA's backend optimisations
+(LLVM's code generation passes) are off: `jax_disable_most_optimizations`. The HLO
+passes that decide what a program computes and how much memory it needs (fusion,
+buffer assignment) run as usual, so values, derivatives and the compiled memory
+that the tests assert are those of a user's program; the examples run in their own
+processes with the default settings.
 """
 
 import jax
@@ -15,6 +22,7 @@ from hypothesis import settings
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_disable_most_optimizations", True)
 
 settings.register_profile("krylovjax", max_examples=20, deadline=None)
 settings.load_profile("krylovjax")

@@ -6,12 +6,7 @@ plain `lax.scan`, both differentiated by JAX's own rules.
 
 import contextlib
 import itertools
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -294,9 +289,17 @@ def vjps(fs, args, key):
     return run(args, ct)
 
 
-def check_finite_differences(f, derivatives, args, eps=None):
-    """`jax.test_util.check_grads(f, args, order=1, modes=("fwd", "rev"), eps=eps)`
-    with every evaluation taken from a program that the test has compiled already.
+def value_vjp_jvp(f, primals, tangents, cotangents):
+    """`(f(*primals), its VJP of cotangents, its JVP along tangents)`, to be called
+    inside a jitted program (the form `check_finite_differences` takes)."""
+    out, vjp = jax.vjp(f, *primals)
+    return out, vjp(cotangents), jax.jvp(f, primals, tangents)[1]
+
+
+def check_finite_differences(f, derivatives, args, **options):
+    """`jax.test_util.check_grads(f, args, order=1, modes=("fwd", "rev"), **options)`
+    (`atol`, `rtol`, `eps`) with every evaluation taken from a program that the test
+    has compiled already.
 
     `derivatives(args, tangents, cotangents)` returns `(f(*args), vjp, jvp)`: the
     VJP of `cotangents` and the JVP along `tangents`, typically one jitted program
@@ -304,10 +307,13 @@ def check_finite_differences(f, derivatives, args, eps=None):
     with their own random directions, and for the finite differences at `args`
     moved along them, all of the shapes of `args` and of `f`'s output: nothing new
     is compiled (`f` is only traced, for those shapes). The same directions, step
-    and tolerances as `check_grads`.
+    and tolerances as `check_grads`. The arrays of `args` must not be weakly typed
+    (`jnp.asarray(0.8, jnp.float64)`, not `jnp.asarray(0.8)`): the directions are
+    not, and the program would be compiled again for them.
     """
     args = tuple(args)
-    step = {} if eps is None else {"eps": eps}
+    weak = [x for x in jax.tree.leaves(args) if jax.typeof(x).weak_type]
+    assert not weak, f"weakly typed arguments compile the program again: {weak}"
     zero_tangents = jax.tree.map(jnp.zeros_like, args)
     zero_cotangents = jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(f, *args)
@@ -323,8 +329,8 @@ def check_finite_differences(f, derivatives, args, eps=None):
     def f_vjp(*primals):
         return forward(*primals), lambda ct: derivatives(primals, zero_tangents, ct)[1]
 
-    check_jvp(forward, f_jvp, args, **step)
-    check_vjp(forward, f_vjp, args, **step)
+    check_jvp(forward, f_jvp, args, **options)
+    check_vjp(forward, f_vjp, args, **options)
 
 
 # ------------------------------------------------------ losses and memory
@@ -456,25 +462,6 @@ def _checks_off():
         jaxtyping.config.update("jaxtyping_disable", before)
 
 
-def run_on_four_devices(script: str):
-    """Run `tests/<script>` in a subprocess with four forced host devices (the
-    device count is fixed when JAX starts) and return its last stdout line, parsed
-    as JSON."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, str(pathlib.Path(__file__).with_name(script))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 # ------------------------------------------------ orthogonal decompositions
 
 
@@ -582,3 +569,74 @@ def lanczos_numpy(A, x0, d, reorthogonalize=True):
             beta[k] = np.linalg.norm(w)
             Q[:, k + 1] = w / beta[k]
     return Q, alpha, beta, w, norm
+
+
+# ------------------------------------------------------------ NumPy problems
+
+# `jax.random` compiles a program for every shape and dtype it draws, and every eager
+# `jnp` operation one for every operation, shape and dtype: for the tests' small
+# problems that costs more than the computations they check. These draw the data and
+# build the operators and references with NumPy, so that a test compiles nothing but
+# its own jitted program.
+
+
+def numpy_array(seed, shape, dtype):
+    """Standard normal entries in `dtype`, drawn by NumPy from `seed` (an integer or
+    a tuple of them): `random_array`'s distribution, real and imaginary parts of
+    variance 1/2 for a complex `dtype`."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.complexfloating):
+        z = rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
+        return (z / np.sqrt(2)).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def numpy_problem(dtype, block=None, n=5, seed=0, scale=0.9):
+    """`random_problem` drawn by NumPy: a random `(n, n)` matrix of spectral radius
+    about `scale` and an `x0` of shape `(n,)` or `(n, block)`, NumPy arrays in
+    `dtype`."""
+    A = numpy_array((seed, 0), (n, n), dtype) * (scale / np.sqrt(n))
+    return A.astype(dtype), numpy_array((seed, 1), x0_shape(n, block), dtype)
+
+
+def numpy_like(seed, tree):
+    """A pytree of NumPy `numpy_array`s with the structure, shapes and dtypes of
+    `tree` (arrays, or the `jax.ShapeDtypeStruct`s of `jax.eval_shape`)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    new = [numpy_array((seed, i), x.shape, x.dtype) for i, x in enumerate(leaves)]
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def numpy_operator(kind, A):
+    """`make_operator(kind, A)` for a NumPy matrix `A`, with nothing computed by
+    JAX: a BCOO matrix holds `A`'s entries on `sparse_mask`, in the order of
+    `BCOO.fromdense`. `dense_of_numpy(kind, A)` is the matrix it represents."""
+    n = A.shape[0]
+    if kind == "bcoo":
+        mask = sparse_mask(n)
+        indices = np.argwhere(mask).astype(np.int32)
+        return A[mask], lambda data: sparse.BCOO((data, indices), shape=(n, n))
+    if kind == "method":
+        return MatVec(A, np.asarray(0.25, A.dtype)), lambda m: m.mv
+    return make_operator(kind, A)
+
+
+def dense_of_numpy(kind, A):
+    """The NumPy matrix that `numpy_operator(kind, A)`'s operator represents."""
+    n = A.shape[0]
+    if kind == "bcoo":
+        return np.where(sparse_mask(n), A, 0).astype(A.dtype)
+    if kind == "method":
+        return (A + 0.25 * np.eye(n)).astype(A.dtype)
+    return A
+
+
+def krylov_numpy(A, x0, d, layout="columns"):
+    """The Krylov vectors x0, A x0, ..., A^(d-1) x0 of a NumPy matrix `A` by a NumPy
+    loop, in the library's layout."""
+    xs = [np.asarray(x0)]
+    for _ in range(d - 1):
+        xs.append(A @ xs[-1])
+    rows = np.stack(xs)
+    return rows if layout == "rows" else np.moveaxis(rows, 0, 1)

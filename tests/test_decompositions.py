@@ -41,6 +41,7 @@ from helpers import (
     spd,
     temp_bytes,
     unchecked,
+    value_vjp_jvp,
 )
 
 import krylovjax
@@ -123,12 +124,6 @@ def _check_decomposition(method, dec, A, x0, d, reorth):
     reference = decomposition_numpy(method, A, x0, d, reorth)
     for got, want in zip(jax.tree.leaves(dec), reference, strict=True):
         np.testing.assert_allclose(np.asarray(got), want, **tol)
-
-
-def _derivatives(f, primals, tangents, cotangents):
-    """`(f(*primals), its VJP of cotangents, its JVP along tangents)`."""
-    out, vjp = jax.vjp(f, *primals)
-    return out, vjp(cotangents), jax.jvp(f, primals, tangents)[1]
 
 
 def _assert_close(got, want, err_msg="", **tol):
@@ -249,7 +244,7 @@ def test_real_problem_derivatives_breakdowns_and_range(method):
 
     @jax.jit
     def run(p, x0, tangents, cts):
-        out = {a: _derivatives(f, (p, x0), tangents, cts) for a, f in fs.items()}
+        out = {a: value_vjp_jvp(f, (p, x0), tangents, cts) for a, f in fs.items()}
         f = fs["custom_jvp"]
         out["x0 alone"] = jax.jvp(lambda x: f(p, x), (x0,), (tangents[1],))[1]
         return out
@@ -360,9 +355,10 @@ def test_real_problem_derivatives_breakdowns_and_range(method):
 @method_param
 def test_long_complex_basis_matches_numpy_autodiff_and_finite_differences(method):
     # A complex basis of LONG_D vectors from a dense and from a BCOO matrix: the
-    # values against NumPy, the VJP with a random cotangent and the JVP along
-    # random tangents of both against JAX's autodiff of the same scan with the
-    # dense matrix, and finite differences for the dense one. One program.
+    # values against NumPy; the VJP with a random cotangent of both against JAX's
+    # autodiff of the same scan with the dense matrix; the JVP along random
+    # tangents of the dense one against finite differences (and with them the VJP)
+    # and that of the BCOO one against it. One program.
     reorth = LONG_REORTH[method]
     A, _, _, x0 = _problem(method, "dense", jnp.complex128, n=LONG_N)
     p_bcoo, build_bcoo = full_operator("bcoo", A)
@@ -378,22 +374,24 @@ def test_long_complex_basis_matches_numpy_autodiff_and_finite_differences(method
     @jax.jit
     def run(A, x0, p_bcoo, tangents, cts):
         t_A, t_x0 = tangents
+        values_ad, vjp_ad = jax.vjp(fs[2], A, x0)
         return (
-            _derivatives(fs[0], (A, x0), tangents, cts),
-            _derivatives(fs[1], (p_bcoo, x0), (t_A[rows, cols], t_x0), cts),
-            _derivatives(fs[2], (A, x0), tangents, cts),
+            value_vjp_jvp(fs[0], (A, x0), tangents, cts),
+            value_vjp_jvp(fs[1], (p_bcoo, x0), (t_A[rows, cols], t_x0), cts),
+            (values_ad, vjp_ad(cts)),
         )
 
-    dense, bcoo, (values_ad, (g_A, g_x0), t_ad) = run(A, x0, p_bcoo, tangents, cts)
+    dense, bcoo, (values_ad, (g_A, g_x0)) = run(A, x0, p_bcoo, tangents, cts)
     _check_decomposition(
         method, _decomposition(method, dense[0]), A, x0, LONG_D, reorth
     )
     for got, kind in ((dense, "dense"), (bcoo, "bcoo")):
-        values, grads, t = got
+        values, grads, _ = got
         _assert_close(values, values_ad, kind, rtol=1e-12, atol=1e-12)
         g_p = g_A[rows, cols] if kind == "bcoo" else g_A
-        _assert_close((grads, t), ((g_p, g_x0), t_ad), kind, rtol=1e-9, atol=1e-10)
-    assert _differ(dense[1:], ((g_A, g_x0), t_ad))
+        _assert_close(grads, (g_p, g_x0), kind, rtol=1e-9, atol=1e-10)
+    assert _differ(dense[1], (g_A, g_x0))
+    _assert_close(bcoo[2], dense[2], rtol=1e-9, atol=1e-10)
 
     def derivatives(args, tangents, cts):
         return run(*args, p_bcoo, tangents, cts)[0]

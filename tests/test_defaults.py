@@ -6,6 +6,11 @@
 - `jax.grad` with the defaults needs at most the compiled temporary memory of plain
   autodiff through a `lax.scan` plus a few chunks of adjoint vectors and one `(n, n)`
   product, for every form of loss.
+
+The data are NumPy arrays, and each test runs its computations in one jitted program
+(the compiled-memory checks compile one program per measurement): compiling is what
+the tests spend their time on, and `jax.random` and every eager operation compile
+programs of their own.
 """
 
 import jax
@@ -15,7 +20,7 @@ import pytest
 from helpers import (
     LOSS_FORMS,
     assert_trees_close,
-    random_matrix,
+    numpy_array,
     scalar_loss,
     temp_bytes,
 )
@@ -31,8 +36,8 @@ def test_default_is_finite_where_the_scan_is():
     # A mode that grows (1.2^k overflows float32 from k = 487) and an x0 that never
     # touches it: the exact values are [0, 0.5^k]. Doubling forms A^512 = inf and
     # multiplies it by 0.
-    A = jnp.diag(jnp.array([1.2, 0.5], jnp.float32))
-    x0 = jnp.array([0.0, 1.0], jnp.float32)
+    A = np.diag(np.array([1.2, 0.5], np.float32))
+    x0 = np.array([0.0, 1.0], np.float32)
 
     @jax.jit
     def run(A, x0):
@@ -43,12 +48,12 @@ def test_default_is_finite_where_the_scan_is():
         )
 
     X, grad, doubling = run(A, x0)
-    assert bool(jnp.isfinite(X).all())
+    assert np.isfinite(X).all()
     exact = 0.5 ** np.arange(1024, dtype=np.float64)
     np.testing.assert_allclose(X[1], exact, rtol=1e-5, atol=1e-37)
     np.testing.assert_allclose(grad, [sum(1.2**k for k in range(20)), 2.0], rtol=1e-5)
     # Doubling asked for explicitly keeps its documented limit.
-    assert bool(jnp.isnan(doubling).any())
+    assert np.isnan(doubling).any()
 
 
 def test_default_keeps_its_accuracy_where_auto_picks_doubling():
@@ -57,8 +62,8 @@ def test_default_keeps_its_accuracy_where_auto_picks_doubling():
     # optimisations). At this size `method="auto"` picks doubling: the default must
     # not.
     c, s = np.cos(0.4), np.sin(0.4)
-    A = jnp.array([[c, s], [s, -c]], jnp.float32)
-    x0 = jnp.array([1.0, 0.3], jnp.float32)
+    A = np.array([[c, s], [s, -c]], np.float32)
+    x0 = np.array([1.0, 0.3], np.float32)
     d = 1024
     assert krylovjax.auto_method(A, x0, d) == "doubling"
     x = np.asarray(x0, np.float64)
@@ -71,6 +76,13 @@ def test_default_keeps_its_accuracy_where_auto_picks_doubling():
 # ------------------------------------------------------ forward mode by default
 
 
+def _matrix(seed, n, scale=0.9):
+    """A random float64 NumPy `(n, n)` matrix of spectral radius `scale` (scaled to
+    it exactly: the tests run up to 300 steps)."""
+    A = numpy_array(seed, (n, n), jnp.float64)
+    return A * (scale / np.abs(np.linalg.eigvals(A)).max())
+
+
 def _plain(A, x0, d):
     return krylovjax.krylov(A, x0, d, adjoint="autodiff")
 
@@ -78,11 +90,10 @@ def _plain(A, x0, d):
 def test_forward_and_reverse_modes_with_the_defaults():
     # A block in both modes (one chunk) is in
     # test_krylov.py::test_grads_finite_differences_complex_block.
-    key_a, key_x = jax.random.split(jax.random.key(0))
-    A = random_matrix(key_a, 4, jnp.float64, scale=0.5)
-    x0 = jax.random.normal(key_x, (4,), jnp.float64)
+    A = _matrix(0, 4, scale=0.5)
+    x0 = numpy_array((0, 1), (4,), jnp.float64)
     d = 70  # more than one chunk of the tangent and reverse passes
-    tangents = (jnp.ones_like(A), jnp.ones_like(x0))
+    tangents = (np.ones_like(A), np.ones_like(x0))
 
     def f(build):
         return lambda A, x0: jnp.sum(jnp.sin(build(A, x0, d)))
@@ -119,12 +130,19 @@ def test_forward_and_reverse_modes_with_the_defaults():
     assert_trees_close(rev_over_fwd, hess)  # reverse-over-forward is the Hessian
 
 
-def _sparse_like(A, key):
-    """`A` as BCOO with about 8 of its entries per row kept, so that the pattern is
-    sparse at every size."""
+def _sparse_like(A, seed):
+    """`A` as BCOO with about 8 of its entries per row kept (at random), so that the
+    pattern is sparse at every size; built from NumPy arrays."""
     n = A.shape[0]
-    return sparse.BCOO.fromdense(
-        jnp.where(jax.random.uniform(key, (n, n), jnp.float32) < 8 / n, A, 0)
+    mask = np.random.default_rng(seed).uniform(size=(n, n)) < 8 / n
+    return sparse.BCOO((A[mask], np.argwhere(mask).astype(np.int32)), shape=(n, n))
+
+
+def _full_pattern(n):
+    """The indices of every entry of an `(n, n)` matrix, in row-major order (the
+    pattern of `BCOO.fromdense` of a matrix with no zeros)."""
+    return sparse.BCOO(
+        (np.zeros(n * n), np.argwhere(np.ones((n, n))).astype(np.int32)), shape=(n, n)
     )
 
 
@@ -159,13 +177,13 @@ CHUNKING_CASES = [
 
 @pytest.mark.parametrize("kind, n, d, block, hvps", CHUNKING_CASES)
 def test_every_chunking_matches_autodiff(kind, n, d, block, hvps):
-    A = random_matrix(jax.random.key(1), n, jnp.float64, scale=0.95)
-    like = _sparse_like(A, jax.random.key(2))
+    A = _matrix(1, n, scale=0.95)
+    like = _sparse_like(A, seed=2) if kind == "bcoo" else None
     if kind == "bcoo":
-        A = like.data
+        A = np.asarray(like.data)
     shape = (n,) if block is None else (n, block)
-    x0 = jax.random.normal(jax.random.key(3), shape, jnp.float64)
-    W = jax.random.normal(jax.random.key(4), (n, d, *shape[1:]), jnp.float64)
+    x0 = numpy_array(3, shape, jnp.float64)
+    W = numpy_array(4, (n, d, *shape[1:]), jnp.float64)
 
     def loss(adjoint):
         def f(A, x0):
@@ -178,7 +196,7 @@ def test_every_chunking_matches_autodiff(kind, n, d, block, hvps):
 
     # Second derivatives run the reverse pass's own derivatives: forward over
     # reverse and reverse over reverse, as Hessian-vector products (both are H V).
-    V = jnp.cos(jnp.arange(A.size, dtype=A.dtype)).reshape(A.shape)
+    V = np.cos(np.arange(A.size, dtype=A.dtype)).reshape(A.shape)
 
     def hvp(f, mode):
         g = jax.grad(f)
@@ -219,9 +237,9 @@ def test_every_chunking_matches_autodiff(kind, n, d, block, hvps):
 def test_linear_transpose_with_the_defaults():
     # krylov and iterate are linear in x0 for a fixed linear step: JAX can transpose
     # them, which runs the hand-written reverse pass.
-    A = random_matrix(jax.random.key(9), 4, jnp.float64)
-    x0 = jnp.ones(4, jnp.float64)
-    ct = jax.random.normal(jax.random.key(10), (4, 70), jnp.float64)
+    A = _matrix(9, 4)
+    x0 = np.ones(4, np.float64)
+    ct = numpy_array(10, (4, 70), jnp.float64)
 
     @jax.jit
     def transposes(ct):
@@ -237,8 +255,8 @@ def test_linear_transpose_with_the_defaults():
 
 
 def test_iterate_forward_and_reverse_modes_with_the_defaults():
-    W = random_matrix(jax.random.key(7), 4, jnp.float64, scale=0.5)
-    x0 = (jnp.ones(4, jnp.float64), jnp.array(1.0, jnp.float64))
+    W = _matrix(7, 4, scale=0.5)
+    x0 = (np.ones(4, np.float64), np.array(1.0, np.float64))
 
     def f(W, x0, adjoint="custom_jvp"):
         def step(s):
@@ -264,9 +282,9 @@ def test_iterate_forward_and_reverse_modes_with_the_defaults():
 def test_default_rule_runs_and_is_not_plain_autodiff():
     # The hand-written reverse pass sums in another order than JAX's transposition
     # of the scan: close, but not bitwise equal.
-    A = random_matrix(jax.random.key(1), 6, jnp.float64)
-    x0 = jnp.ones(6, jnp.float64)
-    W = jax.random.normal(jax.random.key(2), (6, 200), jnp.float64)
+    A = _matrix(1, 6)
+    x0 = np.ones(6, np.float64)
+    W = numpy_array(2, (6, 200), jnp.float64)
 
     def loss(build):
         return lambda A: jnp.sum(build(A, x0, 200) * W)
@@ -280,47 +298,60 @@ def test_default_rule_runs_and_is_not_plain_autodiff():
 
 # One operator for a batch of starting vectors: each kind, a dense matrix with a
 # vector and a block (BCOO with a block is in test_sparse.py).
-@pytest.mark.parametrize(
-    "kind, block", [("dense", None), ("dense", 2), ("bcoo", None), ("callable", 2)]
-)
-def test_vmap_and_grad_compose_with_the_defaults(kind, block):
-    # `grad` of the vmapped call runs the reverse pass on the whole batch, `vmap` of
-    # `grad` once per member.
-    A = random_matrix(jax.random.key(3), 5, jnp.float64)
-    like = sparse.BCOO.fromdense(A)
-    p = like.data if kind == "bcoo" else A
-    shape = (3, 5) if block is None else (3, 5, block)
-    x0s = jax.random.normal(jax.random.key(4), shape, jnp.float64)
+VMAP_CASES = [("dense", None), ("dense", 2), ("bcoo", None), ("callable", 2)]
 
-    def build(adjoint):
+
+def test_vmap_and_grad_compose_with_the_defaults():
+    """`grad` of the vmapped call runs the reverse pass on the whole batch, `vmap` of
+    `grad` once per member: both equal plain autodiff's, for every case of
+    `VMAP_CASES` (kind, block)."""
+    A = _matrix(3, 5)
+    like = _full_pattern(5)  # BCOO's stored values: every entry of `A`
+    args = [
+        (
+            A.reshape(-1) if kind == "bcoo" else A,
+            numpy_array(4, (3, 5) if block is None else (3, 5, block), jnp.float64),
+        )
+        for kind, block in VMAP_CASES
+    ]
+
+    def both(kind, p, x0s, adjoint):
         def f(p, x):
             X = krylovjax.krylov(_operator(kind, p, like), x, 70, adjoint=adjoint)
             return jnp.sum(jnp.sin(X))
 
-        return f
-
-    def both(f):
         per_example = jax.vmap(jax.grad(f, (0, 1)), (None, 0))(p, x0s)
         batched = jax.grad(lambda p, xs: jax.vmap(f, (None, 0))(p, xs).sum(), (0, 1))(
             p, x0s
         )
         return per_example, batched
 
-    ours, plain = jax.jit(lambda: (both(build(None)), both(build("autodiff"))))()
-    assert_trees_close(ours, plain)
+    @jax.jit
+    def run(args):
+        return [
+            (both(kind, p, x0s, None), both(kind, p, x0s, "autodiff"))
+            for (kind, _), (p, x0s) in zip(VMAP_CASES, args, strict=True)
+        ]
+
+    for case, (ours, plain) in zip(VMAP_CASES, run(args), strict=True):
+        assert_trees_close(ours, plain, err_msg=str(case))
 
 
 def test_layers_support_forward_mode():
-    key = jax.random.key(5)
-    model = LinearDynamics(3, 20, key=key)
-    ssm = StateSpaceConv(4, 2, 3, 30, key=key)
-    conv = KrylovGraphConv(2, 3, 2, key=key)
-    adjacency = sparse.BCOO.fromdense(jnp.eye(4) * 0.5)
-    u, H = jnp.ones((30, 2)), jnp.ones((4, 2))
-    tangent = jax.tree.map(jnp.ones_like, model)
+    # The layers are made inside the program, with everything else it uses.
+    diagonal = np.stack([np.arange(4), np.arange(4)], axis=1).astype(np.int32)
+    u = np.ones((30, 2))
 
     @jax.jit
-    def forward_modes(model, ssm, conv):
+    def forward_modes():
+        key = jax.random.key(5)
+        model = LinearDynamics(3, 20, key=key)
+        ssm = StateSpaceConv(4, 2, 3, 30, key=key)
+        conv = KrylovGraphConv(2, 3, 2, key=key)
+        adjacency = sparse.BCOO((jnp.full(4, 0.5), diagonal), shape=(4, 4))
+        H = jnp.ones((4, 2))
+        tangent = jax.tree.map(jnp.ones_like, model)
+
         def shifted(eps):
             return jax.tree.map(lambda p, t: p + eps * t, model, tangent)()
 
@@ -333,13 +364,13 @@ def test_layers_support_forward_mode():
             conv(adjacency, H) - conv(adjacency, jnp.zeros_like(H)),
         )
 
-    out, difference, jac, ssm_linear, t, conv_linear = forward_modes(model, ssm, conv)
+    out, difference, jac, ssm_linear, t, conv_linear = forward_modes()
     assert out.shape == (20, 3)
     np.testing.assert_allclose(out, difference, rtol=1e-6, atol=1e-8)
     # The sequence map and the graph filter are linear in `u` and `H`.
     assert jac.shape == (30, 3, 30, 2)
     np.testing.assert_allclose(
-        jnp.einsum("tcsi,si->tc", jac, u), ssm_linear, rtol=1e-10, atol=1e-12
+        np.einsum("tcsi,si->tc", jac, u), ssm_linear, rtol=1e-10, atol=1e-12
     )
     assert t.shape == (4, 3)
     np.testing.assert_allclose(t, conv_linear, rtol=1e-10, atol=1e-12)
@@ -428,8 +459,8 @@ def test_default_at_a_million_steps():
     # default's x0 gradient keeps the scan's accuracy against the closed form
     # sum_k (A^T)^k 1 = (I - A^T)^(-1) (I - (A^T)^d) 1 of the float32 matrix. The
     # scan's error is 1.8e-3, doubling's (what `auto` runs) 3.5e-2.
-    A = jnp.array([[0.6, 0.8], [-0.8, 0.6]], jnp.float32)
-    x0 = jnp.array([1.0, 0.0], jnp.float32)
+    A = np.array([[0.6, 0.8], [-0.8, 0.6]], np.float32)
+    x0 = np.array([1.0, 0.0], np.float32)
     d = 10**6
     assert krylovjax.auto_method(A, x0, d) == "doubling"
     At = np.asarray(A, np.float64).T
@@ -439,18 +470,16 @@ def test_default_at_a_million_steps():
     assert np.abs(np.asarray(grad, np.float64) - exact).max() <= 6e-3
 
 
-@pytest.mark.parametrize("kind", ["dense", "bcoo"])
-def test_grad_of_vmap_over_a_batch_of_operators(kind):
-    # A batch of operators (and of starting vectors): `grad` of the vmapped call
-    # runs the hand-written reverse pass, vmapped; it must match plain autodiff.
-    As = jnp.stack([random_matrix(jax.random.key(i), 5, jnp.float64) for i in range(3)])
-    like = sparse.BCOO.fromdense(As[0])
-    ps = (
-        jnp.stack([sparse.BCOO.fromdense(A).data for A in As]) if kind == "bcoo" else As
-    )
-    x0s = jax.random.normal(jax.random.key(4), (3, 5), jnp.float64)
+def test_grad_of_vmap_over_a_batch_of_operators():
+    """A batch of operators (and of starting vectors), dense and BCOO: `grad` of the
+    vmapped call runs the hand-written reverse pass, vmapped; it must match plain
+    autodiff."""
+    As = np.stack([_matrix(i, 5) for i in range(3)])
+    like = _full_pattern(5)  # BCOO's stored values: every entry of each matrix
+    x0s = numpy_array(4, (3, 5), jnp.float64)
+    kinds = ["dense", "bcoo"]
 
-    def grads(adjoint):
+    def grads(kind, ps, x0s, adjoint):
         def f(p, x):
             X = krylovjax.krylov(_operator(kind, p, like), x, 40, adjoint=adjoint)
             return jnp.sum(jnp.sin(X))
@@ -460,8 +489,16 @@ def test_grad_of_vmap_over_a_batch_of_operators(kind):
 
         return jax.grad(total, (0, 1))(ps, x0s)
 
-    ours, plain = jax.jit(lambda: (grads(None), grads("autodiff")))()
-    assert_trees_close(ours, plain)
+    @jax.jit
+    def run(As, x0s):
+        out = []
+        for kind in kinds:
+            ps = As.reshape(3, -1) if kind == "bcoo" else As
+            out.append((grads(kind, ps, x0s, None), grads(kind, ps, x0s, "autodiff")))
+        return out
+
+    for kind, (ours, plain) in zip(kinds, run(As, x0s), strict=True):
+        assert_trees_close(ours, plain, err_msg=kind)
 
 
 @pytest.mark.parametrize("kind", ["dense", "bcoo"])

@@ -5,7 +5,11 @@ The references are SciPy and NumPy on the dense matrix: `scipy.linalg.expm`,
 `fractional_matrix_power`, `logm`, and $V f(\\Lambda) V^H$ from `numpy.linalg.eigh`.
 The trace estimator is also written in NumPy with the same probes (the docstring says
 how they are drawn from the key), and its gradient by the Daleckii--Krein formula.
-Every computation is jitted, several cases per program, to keep the file fast.
+
+Compiling is what these tests spend their time on, so every computation is jitted,
+a test compiles one program with all its cases, and a test that checks several
+things of one problem (values, derivatives by autodiff and by finite differences,
+a second input of the same shapes) calls that program for each.
 """
 
 import subprocess
@@ -19,13 +23,19 @@ import jax.scipy.linalg
 import numpy as np
 import pytest
 import scipy.linalg
-from helpers import Linear, full_operator, run_on_four_devices, spd, unchecked
-from jax.test_util import check_grads
+from helpers import (
+    Linear,
+    check_finite_differences,
+    full_operator,
+    random_like,
+    spd,
+    unchecked,
+    value_vjp_jvp,
+)
 
 import krylovjax
 
 N = 10
-KINDS = ("dense", "bcoo", "closure", "module")
 expm = jax.scipy.linalg.expm
 
 
@@ -104,16 +114,31 @@ DEPTHS = (2, 5, N)
 
 
 def test_lanczos_matches_dense_references_and_converges():
+    """exp(-S) b at every depth (the error falls), S^{-1/2} b and log(S) b at d = n,
+    against SciPy; a complex Hermitian matrix, a complex-valued f (the propagator
+    exp(-iS) b) and float32, in one program."""
     S, b = spd(), vector()
+    S_c, b_c = spd(dtype=np.complex128), vector(dtype=np.complex128)
+
+    def schroedinger(x):
+        # exp(-i x), with the cast to complex explicit (strict promotion).
+        return jnp.exp(-1j * x.astype(jnp.complex128))
+
+    def action(f, S, b, d=N):
+        return krylovjax.funm_action(f, S, b, d, method="lanczos")
 
     @jax.jit
-    def run(S, b):
+    def run(S, b, S_c, b_c):
         return {
-            name: [krylovjax.funm_action(f, S, b, d, method="lanczos") for d in DEPTHS]
-            for name, (f, _) in SCALAR.items()
+            "exp": [action(SCALAR["exp"][0], S, b, d) for d in DEPTHS],
+            "inv_sqrt": [action(SCALAR["inv_sqrt"][0], S, b)],
+            "log": [action(jnp.log, S, b)],
+            "hermitian": action(lambda x: jnp.exp(-x), S_c, b_c),
+            "propagator": action(schroedinger, S, b),
+            "float32": action(jnp.log, S.astype(jnp.float32), b.astype(jnp.float32)),
         }
 
-    results = run(jnp.asarray(S), jnp.asarray(b))
+    results = run(*map(jnp.asarray, (S, b, S_c, b_c)))
     references = {
         "exp": scipy.linalg.expm(-S) @ b,
         "inv_sqrt": scipy.linalg.fractional_matrix_power(S, -0.5).real @ b,
@@ -124,139 +149,130 @@ def test_lanczos_matches_dense_references_and_converges():
         errors = [relative_error(y, references[name]) for y in results[name]]
         assert errors[-1] < 1e-12, (name, errors)
         assert decreasing(errors), (name, errors)
-
-
-def test_arnoldi_expm_matches_scipy_and_converges():
-    dtypes = (np.float64, np.complex128)
-    problems = [(general(dtype=t), vector(dtype=t)) for t in dtypes]
-
-    @jax.jit
-    def run(problems):
-        # The convergence in d for float64; the converged value for complex128.
-        return [
-            [
-                krylovjax.funm_action(expm, A, b, d, method="arnoldi")
-                for d in (DEPTHS if A.dtype == jnp.float64 else DEPTHS[-1:])
-            ]
-            for A, b in problems
-        ]
-
-    results = run(jax.tree.map(jnp.asarray, problems))
-    for dtype, (A, b), ys in zip(dtypes, problems, results, strict=True):
-        reference = scipy.linalg.expm(A) @ b
-        errors = [relative_error(y, reference) for y in ys]
-        assert ys[-1].dtype == dtype
-        assert errors[-1] < 1e-12, (dtype, errors)
-        assert decreasing(errors), (dtype, errors)
-
-
-def test_complex_hermitian_and_complex_valued_f():
-    S_c, b_c = spd(dtype=np.complex128), vector(dtype=np.complex128)
-    S, b = spd(), vector()
-
-    def schroedinger(x):
-        # exp(-i x), with the cast to complex explicit (strict promotion).
-        return jnp.exp(-1j * x.astype(jnp.complex128))
-
-    @jax.jit
-    def run(S_c, b_c, S, b):
-        hermitian = krylovjax.funm_action(
-            lambda x: jnp.exp(-x), S_c, b_c, N, method="lanczos"
-        )
-        propagator = krylovjax.funm_action(schroedinger, S, b, N, method="lanczos")
-        return hermitian, propagator
-
-    hermitian, propagator = run(*map(jnp.asarray, (S_c, b_c, S, b)))
+    hermitian, propagator = results["hermitian"], results["propagator"]
     assert hermitian.dtype == propagator.dtype == jnp.complex128
     np.testing.assert_allclose(hermitian, scipy.linalg.expm(-S_c) @ b_c, rtol=1e-11)
     np.testing.assert_allclose(propagator, scipy.linalg.expm(-1j * S) @ b, rtol=1e-11)
-
-
-def test_operator_kinds_agree_with_dense():
-    S, A, b = jnp.asarray(spd()), jnp.asarray(general()), jnp.asarray(vector())
-    kinds = {kind: (full_operator(kind, -S), full_operator(kind, A)) for kind in KINDS}
-
-    @jax.jit
-    def run(params):
-        out = {}
-        for kind, ((_, build_s), (_, build_a)) in kinds.items():
-            p_s, p_a = params[kind]
-            out[kind] = (
-                krylovjax.funm_action(jnp.exp, build_s(p_s), b, 6, method="lanczos"),
-                krylovjax.funm_action(
-                    lambda H: resolvent(jnp.asarray(3.0), H),
-                    build_a(p_a),
-                    b,
-                    6,
-                    method="arnoldi",
-                ),
-            )
-        return out
-
-    out = run({kind: (s[0], a[0]) for kind, (s, a) in kinds.items()})
-    for kind in KINDS:
-        for got, want in zip(out[kind], out["dense"], strict=True):
-            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
-
-
-def test_float32():
-    S, b = spd(), vector()
-    y = jax.jit(lambda S, b: krylovjax.funm_action(jnp.log, S, b, N, method="lanczos"))(
-        jnp.asarray(S, jnp.float32), jnp.asarray(b, jnp.float32)
-    )
+    y = results["float32"]
     assert y.dtype == jnp.float32
     np.testing.assert_allclose(y, sym_funm(S, np.log) @ b, rtol=1e-4, atol=1e-5)
 
 
-def test_bfloat16_action_to_bfloat16_accuracy():
-    """exp(A) b for bfloat16 A and b with spectrum in [10, 12], by both methods (JAX
-    has no bfloat16 `eigh` or `expm`): bfloat16, and within one bfloat16 epsilon of
-    exp(A) b, norm-wise (the exact value rounded to bfloat16 is within 0.15 of
-    one). There e^lambda has the relative error of lambda's absolute one, so this
-    needs the decomposition and the small matrix worked in float32: rounding T to
-    bfloat16 (spacing 1/16 near 11) alone costs 1.5 epsilons here."""
-    A = jnp.asarray(spd(8, low=10.0, high=12.0), jnp.bfloat16)
-    b = jnp.asarray(vector(8), jnp.bfloat16)
+def test_arnoldi_matches_scipy_and_converges():
+    """A non-normal matrix: (3 I - A)^{-1} b at every depth (the error falls), and
+    exp(A) b by `jax.scipy.linalg.expm` in complex128 against SciPy, in one
+    program (float64 `expm` is in test_closed_form_time_derivative)."""
+    A, b = general(), vector()
+    A_c, b_c = general(dtype=np.complex128), vector(dtype=np.complex128)
 
     @jax.jit
-    def run(A, b):
-        return (
+    def run(A, b, A_c, b_c):
+        shifted = [
+            krylovjax.funm_action(
+                lambda H: resolvent(jnp.asarray(3.0), H), A, b, d, method="arnoldi"
+            )
+            for d in DEPTHS
+        ]
+        return shifted, krylovjax.funm_action(expm, A_c, b_c, N, method="arnoldi")
+
+    shifted, y = run(*map(jnp.asarray, (A, b, A_c, b_c)))
+    errors = [relative_error(y, np.linalg.solve(3 * np.eye(N) - A, b)) for y in shifted]
+    assert errors[-1] < 1e-12, errors
+    assert decreasing(errors), errors
+    assert y.dtype == jnp.complex128
+    assert relative_error(y, scipy.linalg.expm(A_c) @ b_c) < 1e-12
+
+
+def test_operator_kinds_match_the_dense_references():
+    """A BCOO matrix and an Equinox module with Lanczos, a closure with Arnoldi, and
+    a closure (with `like=`, which a callable needs) in the trace estimate, at
+    d = n against SciPy and the NumPy estimator with the same probes, in one
+    program. (The decompositions take every kind the same way in both functions:
+    test_decompositions.py.)"""
+    S, A, b = spd(), general(), vector()
+    key, m = jr.key(2), 4
+    like = jax.ShapeDtypeStruct((N,), jnp.float64)
+    uses = {
+        "lanczos": (-S, ("bcoo", "module")),
+        "arnoldi": (A, ("closure",)),
+        "trace": (S, ("closure",)),
+    }
+    operators = {
+        (use, kind): full_operator(kind, M)
+        for use, (M, kinds) in uses.items()
+        for kind in kinds
+    }
+
+    def compute(use, A):
+        if use == "lanczos":
+            return krylovjax.funm_action(jnp.exp, A, b, N, method="lanczos")
+        if use == "arnoldi":
+            return krylovjax.funm_action(
+                lambda H: resolvent(jnp.asarray(3.0), H), A, b, N, method="arnoldi"
+            )
+        return krylovjax.trace_funm(jnp.log, A, key, N, num_probes=m, like=like)
+
+    @jax.jit
+    def run(params):
+        return {
+            key: compute(key[0], build(params[key]))
+            for key, (_, build) in operators.items()
+        }
+
+    out = run({key: p for key, (p, _) in operators.items()})
+    Z = probes(key, "rademacher", m, N)
+    references = {
+        "lanczos": scipy.linalg.expm(-S) @ b,
+        "arnoldi": np.linalg.solve(3 * np.eye(N) - A, b),
+        "trace": np.mean(np.einsum("mi,ij,mj->m", Z, sym_funm(S, np.log), Z)),
+    }
+    for (use, kind), y in out.items():
+        if use == "trace":
+            np.testing.assert_allclose(y, references[use], rtol=1e-11, err_msg=kind)
+        else:
+            assert relative_error(y, references[use]) < 1e-12, (use, kind)
+
+
+def test_half_precision():
+    """bfloat16 and float16. exp(A) b for bfloat16 A and b with spectrum in
+    [10, 12], by both methods (JAX has no bfloat16 `eigh` or `expm`): bfloat16, and
+    within one bfloat16 epsilon of exp(A) b, norm-wise (the exact value rounded to
+    bfloat16 is within 0.15 of one). There e^lambda has the relative error of
+    lambda's absolute one, so this needs the decomposition and the small matrix
+    worked in float32: rounding T to bfloat16 (spacing 1/16 near 11) alone costs 1.5
+    epsilons here. The trace estimate of log for float16 and bfloat16 matrices: the
+    quadratures run in float32 and the estimate comes back in the matrix's dtype,
+    within one epsilon of the same estimator in NumPy. One program."""
+    S, key, m = spd(8, low=10.0, high=12.0), jr.key(1), 4
+    A = jnp.asarray(S, jnp.bfloat16)
+    b = jnp.asarray(vector(8), jnp.bfloat16)
+    dtypes = (jnp.float16, jnp.bfloat16)
+
+    @jax.jit
+    def run(A, b, mats):
+        actions = (
             krylovjax.funm_action(jnp.exp, A, b, 8, method="lanczos"),
             krylovjax.funm_action(expm, A, b, 8, method="arnoldi"),
         )
+        traces = [krylovjax.trace_funm(jnp.log, M, key, 8, num_probes=m) for M in mats]
+        return actions, traces
 
+    actions, traces = run(A, b, [jnp.asarray(S, dtype) for dtype in dtypes])
     expected = scipy.linalg.expm(np.asarray(A, np.float64)) @ np.asarray(b, np.float64)
     eps = float(jnp.finfo(jnp.bfloat16).eps)
-    for y in run(A, b):
+    for y in actions:
         assert y.dtype == jnp.bfloat16
         assert relative_error(np.asarray(y, np.float64), expected) < eps
+    Z = probes(key, "rademacher", m, 8)
+    for dtype, estimate in zip(dtypes, traces, strict=True):
+        M = sym_funm(np.asarray(jnp.asarray(S, dtype), np.float64), np.log)
+        same_probes = np.mean(np.einsum("mi,ij,mj->m", Z, M, Z))
+        assert estimate.dtype == dtype
+        eps = float(jnp.finfo(dtype).eps)
+        assert abs(float(estimate) - same_probes) < eps * abs(same_probes)
 
 
-def test_zero_vector_gives_zeros_and_finite_gradients():
-    """f(0) is infinite for a logarithm; a zero `b` still gives zeros."""
-    S, A, zero = jnp.asarray(spd()), jnp.asarray(general()), jnp.zeros(N)
-
-    @jax.jit
-    def run(S, A, b):
-        def log_action(S, b):
-            return krylovjax.funm_action(jnp.log, S, b, 4, method="lanczos")
-
-        def resolvent_action(A, b):
-            return krylovjax.funm_action(
-                lambda H: resolvent(jnp.asarray(3.0), H), A, b, 4, method="arnoldi"
-            )
-
-        values = (log_action(S, b), resolvent_action(A, b))
-        grads = (
-            jax.grad(lambda S, b: log_action(S, b).sum(), argnums=(0, 1))(S, b),
-            jax.grad(lambda A, b: resolvent_action(A, b).sum(), argnums=(0, 1))(A, b),
-        )
-        return values, grads
-
-    values, grads = run(S, A, zero)
-    for y in values:
-        np.testing.assert_array_equal(y, np.zeros(N))
-    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+# ------------------------------------------------------------------ breakdowns
 
 
 def test_breakdown_is_exact_with_finite_gradients():
@@ -274,32 +290,31 @@ def test_breakdown_is_exact_with_finite_gradients():
     def loss(S, b):
         return krylovjax.funm_action(jnp.log, S, b, 6, method="lanczos") @ c
 
+    def naive(diagonal, off_diagonal):
+        # JAX's own `eigh` rule on the same tridiagonal matrix (with the logarithm
+        # kept away from the zero block).
+        T = jnp.diag(diagonal) + jnp.diag(off_diagonal, 1) + jnp.diag(off_diagonal, -1)
+        lam, V = jnp.linalg.eigh(T)
+        return V @ (jnp.log(jnp.where(lam > 0.5, lam, 1.0)) * V[0]) @ c[:6]
+
     @jax.jit
     def run(S, b):
         value = krylovjax.funm_action(jnp.log, S, b, 6, method="lanczos")
         g_S, g_b = jax.grad(loss, argnums=(0, 1))(S, b)
         _, tangent = jax.jvp(lambda b: loss(S, b), (b,), (c,))
-        return value, g_S, g_b, tangent
+        dec = krylovjax.lanczos(S, b, 6)
+        naive_grads = jax.grad(naive, argnums=(0, 1))(dec.diagonal, dec.off_diagonal)
+        return value, g_S, g_b, tangent, naive_grads
 
-    value, g_S, g_b, tangent = run(jnp.asarray(S), jnp.asarray(b))
+    value, g_S, g_b, tangent, naive_grads = run(jnp.asarray(S), jnp.asarray(b))
     F = sym_funm(S, np.log)
     np.testing.assert_allclose(value, F @ b, rtol=1e-10)
     assert bool(jnp.isfinite(g_S).all())
     np.testing.assert_allclose(g_b, F.T @ c, rtol=1e-9)
     np.testing.assert_allclose(tangent, c @ F @ c, rtol=1e-9)
-
-    # JAX's own `eigh` rule on the same tridiagonal matrix gives nan (even with the
-    # logarithm kept away from the zero block), so the finite gradients above come
-    # from funm_action's rule.
-    dec = krylovjax.lanczos(jnp.asarray(S), jnp.asarray(b), 6)
-
-    def naive(diagonal, off_diagonal):
-        T = jnp.diag(diagonal) + jnp.diag(off_diagonal, 1) + jnp.diag(off_diagonal, -1)
-        lam, V = jnp.linalg.eigh(T)
-        return V @ (jnp.log(jnp.where(lam > 0.5, lam, 1.0)) * V[0]) @ c[:6]
-
-    grads = jax.jit(jax.grad(naive, argnums=(0, 1)))(dec.diagonal, dec.off_diagonal)
-    assert not all(bool(jnp.isfinite(g).all()) for g in grads)
+    # JAX's rule gives nan there, so the finite gradients above come from
+    # funm_action's rule.
+    assert not all(bool(jnp.isfinite(g).all()) for g in naive_grads)
 
 
 def test_breakdown_where_f_is_infinite_at_the_rayleigh_quotient():
@@ -310,7 +325,9 @@ def test_breakdown_where_f_is_infinite_at_the_rayleigh_quotient():
     exactly, for every b, for a shift s that f closes over, and along A itself
     (A + sI and (1 + t) A have the same Krylov spaces), so the derivatives in b and
     s and along A are closed forms; the rest of the gradient in A is finite.
-    Reverse and forward mode, both methods (Lanczos at d = 5, Arnoldi at d = 6)."""
+    Reverse and forward mode, both methods (Lanczos at d = 5, Arnoldi at d = 6), in
+    one program; it is called again with a zero b, whose small matrix is all zero
+    (f infinite at each of its eigenvalues): zeros, and finite derivatives."""
     A, b, s = jnp.asarray(cycle(6)), jnp.eye(6)[0], jnp.asarray(0.0)
     c, db = jnp.asarray(vector(6, seed=5)), jnp.asarray(vector(6, seed=6))
 
@@ -344,6 +361,10 @@ def test_breakdown_where_f_is_infinite_at_the_rayleigh_quotient():
         np.testing.assert_allclose(
             tangent, -y + inverse @ db - inverse @ y, rtol=1e-12, atol=1e-14
         )
+    for method, (value, grads, tangent) in run(A, jnp.zeros(6), s).items():
+        np.testing.assert_array_equal(value, np.zeros(6), err_msg=method)
+        leaves = jax.tree.leaves((grads, tangent))
+        assert all(bool(jnp.isfinite(g).all()) for g in leaves), method
 
 
 def test_trace_breakdown_where_f_is_infinite_at_the_rayleigh_quotient():
@@ -370,99 +391,99 @@ def test_trace_breakdown_where_f_is_infinite_at_the_rayleigh_quotient():
 # ------------------------------------------------------------------ gradients
 
 
-def test_check_grads_fwd_and_rev():
-    """Finite differences in float64, forward and reverse mode, with respect to the
-    operator's arrays, `b`, and an array that `f` closes over: Lanczos on a BCOO
-    matrix, and Arnoldi on a complex callable (one program for both)."""
+def _tree_close(got, want, **tol):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, **tol)
+
+
+def _differ(got, want):
+    """Whether some array of `got` is not bitwise that of `want`."""
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    return any(not np.array_equal(a, b) for a, b in pairs)
+
+
+def test_derivatives_match_autodiff_and_finite_differences():
+    """With respect to the operator's arrays, `b`, and an array that `f` closes
+    over: Lanczos on a BCOO matrix in float64, and Arnoldi on a complex callable.
+    The decompositions' rules (the default) against JAX's own rules through them
+    (`adjoint="autodiff"`) with a random cotangent, and against finite
+    differences in forward and reverse mode, from one program."""
     n, d = 6, 4
     p_bcoo, build_bcoo = full_operator("bcoo", spd(n))
     p_closure, build_closure = full_operator("closure", general(n, dtype=np.complex128))
     b, b_c = jnp.asarray(vector(n)), jnp.asarray(vector(n, dtype=np.complex128))
 
-    def call(p_bcoo, p_closure, b, b_c, t):
-        lanczos = krylovjax.funm_action(
-            lambda x: (t + x) ** -0.5,
-            build_bcoo(symmetrise("bcoo", p_bcoo)),
-            b,
-            d,
-            method="lanczos",
-        )
-        arnoldi = krylovjax.funm_action(
-            lambda H: resolvent(3 + t, H),
-            build_closure(p_closure),
-            b_c,
-            d,
-            method="arnoldi",
-        )
-        return lanczos, arnoldi
+    def call(adjoint):
+        def f(p_bcoo, p_closure, b, b_c, t):
+            lanczos = krylovjax.funm_action(
+                lambda x: (t + x) ** -0.5,
+                build_bcoo(symmetrise("bcoo", p_bcoo)),
+                b,
+                d,
+                method="lanczos",
+                adjoint=adjoint,
+            )
+            arnoldi = krylovjax.funm_action(
+                lambda H: resolvent(3 + t, H),
+                build_closure(p_closure),
+                b_c,
+                d,
+                method="arnoldi",
+                adjoint=adjoint,
+            )
+            return lanczos, arnoldi
 
-    args = (p_bcoo, p_closure, b, b_c, jnp.asarray(0.8))
-    check_grads(jax.jit(call), args, order=1, modes=("fwd", "rev"), rtol=1e-6)
+        return f
 
-
-@pytest.mark.parametrize("method", ["lanczos", "arnoldi"])
-def test_custom_rules_match_autodiff(method):
-    """The decompositions' rules (the default) against JAX's own rules through
-    them (`adjoint="autodiff"`), with a random cotangent."""
-    if method == "lanczos":
-        A, f = jnp.asarray(spd()), jnp.log
-    else:
-        A = jnp.asarray(general())
-
-        def f(H):
-            return resolvent(jnp.asarray(3.0), H)
-
-    b, ct = jnp.asarray(vector()), jnp.asarray(vector(seed=7))
+    args = (p_bcoo, p_closure, b, b_c, jnp.asarray(0.8, jnp.float64))
+    tangents = random_like(jr.key(3), args)
+    cts = random_like(jr.key(4), jax.eval_shape(call("custom_jvp"), *args))
 
     @jax.jit
-    def run(A, b):
-        results = []
-        for adjoint in ("custom_jvp", "autodiff"):
+    def run(args, tangents, cts):
+        custom = value_vjp_jvp(call("custom_jvp"), args, tangents, cts)
+        out, pullback = jax.vjp(call("autodiff"), *args)
+        return custom, (out, pullback(cts))
 
-            def call(A, b, adjoint=adjoint):
-                return krylovjax.funm_action(f, A, b, 6, method=method, adjoint=adjoint)
-
-            out, pullback = jax.vjp(call, A, b)
-            results.append((out, pullback(ct)))
-        return results
-
-    (out_c, grads_c), (out_a, grads_a) = run(A, b)
-    np.testing.assert_allclose(out_c, out_a, rtol=1e-12)
-    for g_c, g_a in zip(grads_c, grads_a, strict=True):
-        np.testing.assert_allclose(g_c, g_a, rtol=1e-8, atol=1e-10)
+    (out, grads, _), (out_ad, grads_ad) = run(args, tangents, cts)
+    _tree_close(out, out_ad, rtol=1e-12)
+    _tree_close(grads, grads_ad, rtol=1e-8, atol=1e-10)
+    # Close, not the same program: the custom rules ran.
+    assert _differ(grads, grads_ad)
+    check_finite_differences(call("custom_jvp"), lambda *a: run(*a)[0], args, rtol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["lanczos", "arnoldi"])
-def test_closed_form_time_derivative(method):
-    """d/dt exp(tA) b = A exp(tA) b, through an `f` that closes over t."""
-    if method == "lanczos":
-        A = -jnp.asarray(spd())
+def test_closed_form_time_derivative():
+    """d/dt exp(tA) b = A exp(tA) b, through an `f` that closes over t: Lanczos on
+    a symmetric negative definite matrix, Arnoldi by `jax.scipy.linalg.expm` on a
+    non-normal one, in one program; and the values against SciPy."""
+    matrices = {"lanczos": -jnp.asarray(spd()), "arnoldi": jnp.asarray(general())}
+    b, c, t = jnp.asarray(vector()), jnp.asarray(vector(seed=4)), jnp.asarray(0.7)
 
-        def y(t, b):
+    def y(method, t, b):
+        A = matrices[method]
+        if method == "lanczos":
             return krylovjax.funm_action(
                 lambda x: jnp.exp(t * x), A, b, N, method="lanczos"
             )
-
-    else:
-        A = jnp.asarray(general())
-
-        def y(t, b):
-            return krylovjax.funm_action(
-                lambda H: expm(t * H), A, b, N, method="arnoldi"
-            )
-
-    b, c, t = jnp.asarray(vector()), jnp.asarray(vector(seed=4)), jnp.asarray(0.7)
+        return krylovjax.funm_action(lambda H: expm(t * H), A, b, N, method="arnoldi")
 
     @jax.jit
     def run(t, b):
-        _, tangent = jax.jvp(lambda t: y(t, b), (t,), (jnp.ones_like(t),))
-        return tangent, jax.grad(lambda t: y(t, b) @ c)(t)
+        out = {}
+        for method in matrices:
+            f = partial(y, method, b=b)
+            value, tangent = jax.jvp(f, (t,), (jnp.ones_like(t),))
+            out[method] = (value, tangent, jax.grad(lambda t, f=f: f(t) @ c)(t))
+        return out
 
-    tangent, grad = run(t, b)
-    A_np = np.asarray(A)
-    expected = A_np @ scipy.linalg.expm(0.7 * A_np) @ np.asarray(b)
-    np.testing.assert_allclose(tangent, expected, rtol=1e-10)
-    np.testing.assert_allclose(grad, expected @ np.asarray(c), rtol=1e-10)
+    for method, (value, tangent, grad) in run(t, b).items():
+        A_np = np.asarray(matrices[method])
+        value_np = scipy.linalg.expm(0.7 * A_np) @ np.asarray(b)
+        assert relative_error(value, value_np) < 1e-12, method
+        expected = A_np @ value_np
+        np.testing.assert_allclose(tangent, expected, rtol=1e-10, err_msg=method)
+        np.testing.assert_allclose(grad, expected @ np.asarray(c), rtol=1e-10)
 
 
 def test_vmap_under_jit():
@@ -485,6 +506,22 @@ def test_vmap_under_jit():
         np.testing.assert_allclose(
             g, -(np.asarray(S) @ E @ np.asarray(b)).sum(), rtol=1e-9
         )
+
+
+def test_derivatives_reach_a_python_float_that_f_closes_over():
+    """`grad` and `jvp` called with a Python float t that `f` closes over (traced as
+    a scalar that is not an array, so not under `jit`): d/dt c^T exp(-tS) b =
+    -c^T S exp(-tS) b."""
+    S, b, c = jnp.asarray(spd()), jnp.asarray(vector()), vector(seed=4)
+
+    def y(t):
+        fn = lambda x: jnp.exp(-t * x)  # noqa: E731
+        return krylovjax.funm_action(fn, S, b, N, method="lanczos") @ c
+
+    S_np = np.asarray(S)
+    expected = -c @ S_np @ scipy.linalg.expm(-0.7 * S_np) @ np.asarray(b)
+    np.testing.assert_allclose(jax.grad(y)(0.7), expected, rtol=1e-10)
+    np.testing.assert_allclose(jax.jvp(y, (0.7,), (1.0,))[1], expected, rtol=1e-10)
 
 
 # -------------------------------------------------------------- trace estimate
@@ -515,24 +552,30 @@ def variance(M, sampler):
 SAMPLERS = ("rademacher", "normal", "sphere")
 
 
-def test_trace_matches_numpy_estimator_and_exact_trace():
-    S, key, m = spd(), jr.key(11), 200
-    functions = {name: SCALAR[name] for name in ("log", "exp")}
-
-    cases = [("log", sampler) for sampler in SAMPLERS] + [("exp", "rademacher")]
+def test_trace_matches_numpy_estimator_exact_trace_and_quadrature():
+    """Each sampler's estimate of tr log(S) against the same estimator in NumPy and
+    the exact trace; the quadrature error of each probe falling with d; and a
+    diagonal matrix, whose estimate with Rademacher probes is exact. One program,
+    called again for the diagonal matrix."""
+    S, key, m = spd(low=0.1, high=10.0), jr.key(11), 200
 
     @jax.jit
     def run(S):
-        return {
-            (name, sampler): krylovjax.trace_funm(
-                functions[name][0], S, key, N, num_probes=m, sampler=sampler
+        estimates = {
+            sampler: krylovjax.trace_funm(
+                jnp.log, S, key, N, num_probes=m, sampler=sampler
             )
-            for name, sampler in cases
+            for sampler in SAMPLERS
         }
+        # Rademacher probes at fewer steps; at d = n the estimate above.
+        quadrature = [
+            krylovjax.trace_funm(jnp.log, S, key, d, num_probes=m) for d in (1, 3)
+        ]
+        return estimates, [*quadrature, estimates["rademacher"]]
 
-    estimates = run(jnp.asarray(S))
-    for (name, sampler), estimate in estimates.items():
-        M = sym_funm(S, functions[name][1])
+    estimates, quadrature = run(jnp.asarray(S))
+    M = sym_funm(S, np.log)
+    for sampler, estimate in estimates.items():
         # The same probes in NumPy, with the exact f(S): equal at d = n.
         Z = probes(key, sampler, m, N)
         same_probes = np.mean(np.einsum("mi,ij,mj->m", Z, M, Z))
@@ -540,51 +583,103 @@ def test_trace_matches_numpy_estimator_and_exact_trace():
         # The exact trace is within four standard errors (a fixed seed: no flakes;
         # for a random seed this would fail about once in 16 000 runs).
         standard_error = np.sqrt(variance(M, sampler) / m)
-        assert abs(float(estimate) - np.trace(M)) < 4 * standard_error, (name, sampler)
-
-
-def test_trace_quadrature_error_falls_with_d():
-    """Gauss quadrature: each probe's error falls quickly as d grows."""
-    S, key, m = spd(low=0.1, high=10.0), jr.key(0), 8
-    depths = (1, 2, 3, 5, N)
-    estimates = jax.jit(
-        lambda S: [
-            krylovjax.trace_funm(jnp.log, S, key, d, num_probes=m) for d in depths
-        ]
-    )(jnp.asarray(S))
-    Z = probes(key, "rademacher", m, N)
-    exact = np.mean(np.einsum("mi,ij,mj->m", Z, sym_funm(S, np.log), Z))
-    errors = [abs(float(e) - exact) for e in estimates]
-    assert errors[-1] < 1e-10 * abs(exact), errors
-    assert decreasing(errors), errors
-
-
-def test_trace_exact_for_diagonal_with_rademacher():
+        assert abs(float(estimate) - np.trace(M)) < 4 * standard_error, sampler
+        if sampler == "rademacher":
+            # Gauss quadrature: each probe's error falls quickly as d grows.
+            errors = [abs(float(e) - same_probes) for e in quadrature]
+            assert errors[-1] < 1e-10 * abs(same_probes), errors
+            assert decreasing(errors), errors
     w = jnp.linspace(1.0, 5.0, N)
-    est = jax.jit(
-        lambda A: krylovjax.trace_funm(jnp.log, A, jr.key(3), N, num_probes=3)
-    )(jnp.diag(w))
-    np.testing.assert_allclose(est, np.sum(np.log(np.asarray(w))), rtol=1e-12)
+    estimate = run(jnp.diag(w))[0]["rademacher"]
+    np.testing.assert_allclose(estimate, np.sum(np.log(np.asarray(w))), rtol=1e-12)
 
 
-def test_trace_half_precision():
-    """float16 and bfloat16 matrices: the quadratures run in float32 (JAX has no
-    half-precision `eigh`) and the estimate comes back in the matrix's dtype,
-    within one epsilon of the same estimator in NumPy."""
-    S, key, m = spd(8, low=10.0, high=12.0), jr.key(1), 4
-    Z = probes(key, "rademacher", m, 8)
-    dtypes = (jnp.float16, jnp.bfloat16)
-    estimates = jax.jit(
-        lambda mats: [
-            krylovjax.trace_funm(jnp.log, A, key, 8, num_probes=m) for A in mats
-        ]
-    )([jnp.asarray(S, dtype) for dtype in dtypes])
-    for dtype, estimate in zip(dtypes, estimates, strict=True):
-        M = sym_funm(np.asarray(jnp.asarray(S, dtype), np.float64), np.log)
-        same_probes = np.mean(np.einsum("mi,ij,mj->m", Z, M, Z))
-        assert estimate.dtype == dtype
-        eps = float(jnp.finfo(dtype).eps)
-        assert abs(float(estimate) - same_probes) < eps * abs(same_probes)
+def test_trace_derivatives_closed_forms_fresh_keys_and_complex_matrices():
+    """The log-det estimate of an Equinox module operator, log(x + t) with f closing
+    over t, at d = n (each probe's quadrature exact), from one program (the key an
+    argument):
+
+    - its derivatives against JAX's own rules (`adjoint="autodiff"`) and against
+      finite differences in forward and reverse mode, at t = 0.3;
+    - at t = 0, the gradient is the Daleckii--Krein gradient for the drawn probes,
+      which is S^{-1} when their mean outer product is the identity; with many
+      probes it is within five standard errors of S^{-1}; forward mode gives the
+      matching directional derivative;
+    - a fresh key per call, as in a training step, gives a fresh estimate with
+      finite gradients;
+    - a complex Hermitian matrix gives a real estimate, that of the NumPy
+      estimator with the same probes."""
+    kind, n, m, key = "module", 6, 2000, jr.key(5)
+    S = spd(n=n)
+    params, build = full_operator(kind, S)
+    S_c, m_c = spd(n=n, dtype=np.complex128), 50
+
+    def estimate(adjoint, key):
+        def f(params, t):
+            A = build(symmetrise(kind, params))
+            return krylovjax.trace_funm(
+                lambda x: jnp.log(x + t),
+                A,
+                key,
+                n,
+                num_probes=m,
+                like=jnp.zeros(n),
+                adjoint=adjoint,
+            )
+
+        return f
+
+    args = (params, jnp.asarray(0.3, jnp.float64))
+    tangents = random_like(jr.key(3), args)
+    ct = jnp.asarray(0.7, jnp.float64)
+
+    @jax.jit
+    def run(args, tangents, ct, key):
+        _, pullback = jax.vjp(estimate("autodiff", key), *args)
+        hermitian = krylovjax.trace_funm(jnp.log, S_c, key, n, num_probes=m_c)
+        custom = value_vjp_jvp(estimate("custom_jvp", key), args, tangents, ct)
+        return custom, pullback(ct), hermitian
+
+    (value, grads, _), grads_ad, hermitian = run(args, tangents, ct, key)
+    _tree_close(grads, grads_ad, rtol=1e-8, atol=1e-10)
+    assert _differ(grads, grads_ad)
+
+    def derivatives(args, tangents, ct):
+        return run(args, tangents, ct, key)[0]
+
+    check_finite_differences(estimate("custom_jvp", key), derivatives, args, rtol=1e-6)
+
+    # Closed forms at t = 0 (the tangent E symmetric: the operator is symmetrised).
+    E = spd(n=n, seed=8)
+    zero, one = jnp.zeros((), jnp.float64), jnp.ones((), jnp.float64)
+    (_, (g, _), tangent), _, _ = run(
+        (params, zero), (Linear(jnp.asarray(E)), zero), one, key
+    )
+    Z = probes(key, "rademacher", m, n)
+    expected = daleckii_krein(S, np.log, lambda w: 1 / w, Z.T @ Z / m)
+    np.testing.assert_allclose(g.weight, expected, rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(tangent, np.sum(expected * E), rtol=1e-9)
+    inverse = np.linalg.inv(S)
+    np.testing.assert_allclose(
+        daleckii_krein(S, np.log, lambda w: 1 / w, np.eye(n)), inverse, rtol=1e-10
+    )
+    per_probe = np.stack(
+        [daleckii_krein(S, np.log, lambda w: 1 / w, np.outer(z, z)) for z in Z]
+    )
+    standard_error = per_probe.std(axis=0) / np.sqrt(m)
+    assert np.all(np.abs(np.asarray(g.weight) - inverse) < 5 * standard_error + 1e-12)
+
+    # Fresh keys.
+    (v1, g1, _), _, _ = run(args, tangents, ct, jr.key(0))
+    (v2, g2, _), _, _ = run(args, tangents, ct, jr.key(1))
+    assert len({float(value), float(v1), float(v2)}) == 3
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves((g1, g2)))
+
+    # A complex Hermitian matrix.
+    assert hermitian.dtype == jnp.float64
+    Z = probes(key, "rademacher", m_c, n)
+    same_probes = np.mean(np.einsum("mi,ij,mj->m", Z, sym_funm(S_c, np.log), Z)).real
+    np.testing.assert_allclose(hermitian, same_probes, rtol=1e-10)
 
 
 def daleckii_krein(S, f, df, W):
@@ -659,18 +754,21 @@ _OSCILLATION = (
 )
 
 
-@pytest.mark.parametrize(
-    ("dtype", "g", "functions", "rtol"),
-    [
-        (np.float32, 2e-3, _step(2e-3), 2e-3),
-        (np.float64, 2e-6, _step(2e-6), 1e-8),
-        (np.float32, 2e-3, _OSCILLATION, 2e-3),
-    ],
-    ids=["float32-step", "float64-step", "complex64-oscillation"],
+_OSCILLATION = (
+    lambda x: jnp.exp(-1000j * x.astype(jnp.complex64)),
+    lambda w: np.exp(-1000j * w),
+    lambda w: -1000j * np.exp(-1000j * w),
 )
-def test_derivatives_where_f_changes_fast_between_close_eigenvalues(
-    dtype, g, functions, rtol
-):
+
+# (dtype, gap g, (f, its NumPy twin, f'), rtol)
+FAST_CASES = {
+    "float32-step": (np.float32, 2e-3, _step(2e-3), 2e-3),
+    "float64-step": (np.float64, 2e-6, _step(2e-6), 1e-8),
+    "complex64-oscillation": (np.float32, 2e-3, _OSCILLATION, 2e-3),
+}
+
+
+def test_derivatives_where_f_changes_fast_between_close_eigenvalues():
     """Eigenvalues 1, 1 + g and 3, and f stepping or oscillating between the two
     close ones. Their divided difference is the quotient (f_i - f_j) / g, well
     resolved here, not the mean of f' (about 0 for the step, whose f' is the same
@@ -678,185 +776,89 @@ def test_derivatives_where_f_changes_fast_between_close_eigenvalues(
     at d = n, against the Daleckii--Krein formula in float64 NumPy (which agrees
     with mpmath at 60 digits to 1e-10), to the dtype's accuracy: in float32 the
     result moves by about eps ||S|| / g relative (2e-4) as the eigenvalues and
-    eigenvectors of the close pair do, and JAX's own `eigh` rule errs as much."""
-    f, f_np, df_np = functions
-    rng = np.random.default_rng(0)
-    Q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
-    S = (Q * np.array([1.0, 1.0 + g, 3.0])) @ Q.T
-    E = rng.normal(size=(3, 3))
-    S, E, b, c = (
-        np.asarray(x, dtype)
-        for x in ((S + S.T) / 2, E + E.T, vector(3), vector(3, seed=5))
-    )
-
-    def y(S):
-        out = krylovjax.funm_action(f, S, jnp.asarray(b), 3, method="lanczos")
-        return out @ jnp.asarray(c, out.dtype)
-
-    _, tangent = jax.jit(lambda S, E: jax.jvp(y, (S,), (E,)))(S, E)
-    W = np.outer(c, b).astype(np.float64)
-    expected = np.sum(daleckii_krein(S.astype(np.float64), f_np, df_np, W) * E)
-    np.testing.assert_allclose(complex(tangent), expected, rtol=rtol)
-
-
-def test_derivatives_reach_a_python_float_that_f_closes_over():
-    """`grad` and `jvp` called with a Python float t that `f` closes over (traced as
-    a scalar that is not an array): d/dt c^T exp(-tS) b = -c^T S exp(-tS) b, the
-    same as for an array t."""
-    S, b, c = jnp.asarray(spd()), jnp.asarray(vector()), vector(seed=4)
-
-    def y(t):
-        fn = lambda x: jnp.exp(-t * x)  # noqa: E731
-        return krylovjax.funm_action(fn, S, b, N, method="lanczos") @ c
-
-    S_np = np.asarray(S)
-    expected = -c @ S_np @ scipy.linalg.expm(-0.7 * S_np) @ np.asarray(b)
-    np.testing.assert_allclose(jax.grad(y)(0.7), expected, rtol=1e-10)
-    np.testing.assert_allclose(jax.jvp(y, (0.7,), (1.0,))[1], expected, rtol=1e-10)
-    np.testing.assert_allclose(jax.grad(y)(jnp.asarray(0.7)), expected, rtol=1e-10)
-
-
-def test_logdet_gradient_closed_forms():
-    """The gradient of the log-det estimate equals the Daleckii--Krein gradient for
-    the drawn probes, which is S^{-1} when their mean outer product is the identity;
-    with many probes it is within five standard errors of S^{-1}. Forward mode
-    gives the matching directional derivative."""
-    S, key, m = spd(n=6), jr.key(5), 2000
-    E = jnp.asarray(spd(n=6, seed=8))
-
-    def logdet(S):
-        return krylovjax.trace_funm(jnp.log, (S + S.T) / 2, key, 6, num_probes=m)
-
-    grad, tangent = jax.jit(
-        lambda S: (jax.grad(logdet)(S), jax.jvp(logdet, (S,), (E,))[1])
-    )(jnp.asarray(S))
-    Z = probes(key, "rademacher", m, 6)
-    expected = daleckii_krein(S, np.log, lambda w: 1 / w, Z.T @ Z / m)
-    np.testing.assert_allclose(grad, expected, rtol=1e-9, atol=1e-11)
-    np.testing.assert_allclose(tangent, np.sum(expected * np.asarray(E)), rtol=1e-9)
-    inverse = np.linalg.inv(S)
-    np.testing.assert_allclose(
-        daleckii_krein(S, np.log, lambda w: 1 / w, np.eye(6)), inverse, rtol=1e-10
-    )
-    per_probe = np.stack(
-        [daleckii_krein(S, np.log, lambda w: 1 / w, np.outer(z, z)) for z in Z]
-    )
-    standard_error = per_probe.std(axis=0) / np.sqrt(m)
-    assert np.all(np.abs(np.asarray(grad) - inverse) < 5 * standard_error + 1e-12)
-
-
-def test_trace_operator_kinds():
-    S, key = spd(n=6), jr.key(2)
-    like = jax.ShapeDtypeStruct((6,), jnp.float64)
-    kinds = {kind: full_operator(kind, S) for kind in KINDS}
-
-    @jax.jit
-    def run(params):
-        return {
-            kind: krylovjax.trace_funm(
-                jnp.log, build(params[kind]), key, 6, num_probes=4, like=like
-            )
-            for kind, (_, build) in kinds.items()
-        }
-
-    out = run({kind: p for kind, (p, _) in kinds.items()})
-    for kind in KINDS:
-        np.testing.assert_allclose(out[kind], out["dense"], rtol=1e-12)
-
-
-def test_trace_check_grads():
-    """Finite differences for the estimate with an `equinox.Module` operator."""
-    kind = "module"
-    params, build = full_operator(kind, spd(n=6))
-    key, t = jr.key(2), jnp.asarray(0.3)
-
-    def est(params, t):
-        A = build(symmetrise(kind, params))
-        return krylovjax.trace_funm(
-            lambda x: jnp.log(x + t), A, key, 4, num_probes=3, like=jnp.zeros(6)
+    eigenvectors of the close pair do, and JAX's own `eigh` rule errs as much.
+    Every case in one program."""
+    problems = {}
+    for name, (dtype, g, _, _) in FAST_CASES.items():
+        rng = np.random.default_rng(0)
+        Q, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+        S = (Q * np.array([1.0, 1.0 + g, 3.0])) @ Q.T
+        E = rng.normal(size=(3, 3))
+        problems[name] = tuple(
+            np.asarray(x, dtype)
+            for x in ((S + S.T) / 2, E + E.T, vector(3), vector(3, seed=5))
         )
 
-    check_grads(jax.jit(est), (params, t), order=1, modes=("fwd", "rev"), rtol=1e-6)
-
-
-def test_trace_complex_hermitian_and_autodiff():
-    S_c, S, key, m = spd(n=6, dtype=np.complex128), spd(n=6), jr.key(4), 50
+    def y(f, S, b, c):
+        out = krylovjax.funm_action(f, S, b, 3, method="lanczos")
+        return out @ c.astype(out.dtype)
 
     @jax.jit
-    def run(S_c, S):
-        est = krylovjax.trace_funm(jnp.log, S_c, key, 6, num_probes=m)
-        grads = [
-            jax.grad(
-                lambda S, adjoint=adjoint: krylovjax.trace_funm(
-                    jnp.log, S, key, 5, num_probes=m, adjoint=adjoint
-                )
-            )(S)
-            for adjoint in ("custom_jvp", "autodiff")
-        ]
-        return est, grads
+    def run(problems):
+        out = {}
+        for name, (S, E, b, c) in problems.items():
+            f = partial(y, FAST_CASES[name][2][0], b=b, c=c)
+            out[name] = jax.jvp(f, (S,), (E,))[1]
+        return out
 
-    est, grads = run(jnp.asarray(S_c), jnp.asarray(S))
-    assert est.dtype == jnp.float64
-    Z = probes(key, "rademacher", m, 6)
-    M = sym_funm(S_c, np.log)
-    same_probes = np.mean(np.einsum("mi,ij,mj->m", Z, M, Z)).real
-    np.testing.assert_allclose(est, same_probes, rtol=1e-10)
-    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-8, atol=1e-10)
-
-
-def test_trace_training_step_with_fresh_keys():
-    S = jnp.asarray(spd())
-
-    @jax.jit
-    def step(S, key):
-        return jax.value_and_grad(
-            lambda S: krylovjax.trace_funm(jnp.log, S, key, 8, num_probes=16)
-        )(S)
-
-    (v1, g1), (v2, g2) = step(S, jr.key(0)), step(S, jr.key(1))
-    assert float(v1) != float(v2)
-    assert bool(jnp.isfinite(g1).all() and jnp.isfinite(g2).all())
+    for name, tangent in run(problems).items():
+        _, _, (_, f_np, df_np), rtol = FAST_CASES[name]
+        S, E, b, c = problems[name]
+        W = np.outer(c, b).astype(np.float64)
+        expected = np.sum(daleckii_krein(S.astype(np.float64), f_np, df_np, W) * E)
+        np.testing.assert_allclose(complex(tangent), expected, rtol=rtol, err_msg=name)
 
 
 # --------------------------------------------------------------------- errors
+
+
+def _traced(call):
+    """`call`, made under `jax.eval_shape`: its errors are raised while tracing,
+    and nothing is compiled or run."""
+
+    def traced(*args, **kwargs):
+        return jax.eval_shape(lambda: call(*args, **kwargs))
+
+    return traced
 
 
 A_ERR, B_ERR = jnp.eye(3) * 2.0, jnp.ones(3)
 
 
 def test_funm_action_errors():
-    funm = krylovjax.funm_action
+    funm = _traced(krylovjax.funm_action)
+    unchecked_funm = _traced(unchecked(krylovjax.funm_action))
     with pytest.raises(ValueError, match=r"`funm_action\(method=...\)` must be one of"):
-        unchecked(funm)(jnp.exp, A_ERR, B_ERR, 2, method="eig")
+        unchecked_funm(jnp.exp, A_ERR, B_ERR, 2, method="eig")
     with pytest.raises(TypeError, match="method"):
-        unchecked(funm)(jnp.exp, A_ERR, B_ERR, 2)
+        unchecked_funm(jnp.exp, A_ERR, B_ERR, 2)
     with pytest.raises(TypeError, match=r"`funm_action\(f=...\)` must be a callable"):
-        unchecked(funm)("exp", A_ERR, B_ERR, 2, method="lanczos")
+        unchecked_funm("exp", A_ERR, B_ERR, 2, method="lanczos")
     with pytest.raises(ValueError, match=r"`funm_action\(d=...\)` must be an int >= 1"):
         funm(jnp.exp, A_ERR, B_ERR, 0, method="lanczos")
     with pytest.raises(ValueError, match=r"`funm_action\(d=...\)` must be at most n"):
         funm(jnp.exp, A_ERR, B_ERR, 4, method="lanczos")
     with pytest.raises(TypeError, match=r"`funm_action\(d=...\)` must be a Python int"):
-        unchecked(funm)(jnp.exp, A_ERR, B_ERR, 2.0, method="lanczos")
+        unchecked_funm(jnp.exp, A_ERR, B_ERR, 2.0, method="lanczos")
     with pytest.raises(ValueError, match=r"`funm_action\(b=...\)` must be one vector"):
-        unchecked(funm)(jnp.exp, A_ERR, jnp.ones((3, 2)), 2, method="lanczos")
+        unchecked_funm(jnp.exp, A_ERR, jnp.ones((3, 2)), 2, method="lanczos")
     with pytest.raises(TypeError, match=r"`funm_action\(b=...\)` must have a floating"):
-        unchecked(funm)(jnp.exp, A_ERR, jnp.ones(3, int), 2, method="lanczos")
+        unchecked_funm(jnp.exp, A_ERR, jnp.ones(3, int), 2, method="lanczos")
     with pytest.raises(ValueError, match=r"`funm_action\(A=...\)` must be a square"):
-        unchecked(funm)(jnp.exp, jnp.ones((3, 2)), B_ERR, 2, method="lanczos")
+        unchecked_funm(jnp.exp, jnp.ones((3, 2)), B_ERR, 2, method="lanczos")
     # Errors about the vector name it `b`, the argument of `funm_action`.
     with pytest.raises(
         ValueError, match=r"`funm_action\(b=...\)` must have first axis of length 3"
     ):
-        unchecked(funm)(jnp.exp, A_ERR, jnp.ones(4), 2, method="lanczos")
+        unchecked_funm(jnp.exp, A_ERR, jnp.ones(4), 2, method="lanczos")
     with pytest.raises(ValueError, match=r"the same shape as `b`, \(3,\)"):
         funm(jnp.exp, lambda v: v[:2], B_ERR, 2, method="lanczos")
     with pytest.raises(TypeError, match=r"`funm_action\(reorthogonalize=...\)`"):
-        unchecked(funm)(
+        unchecked_funm(
             jnp.exp, A_ERR, B_ERR, 2, method="lanczos", reorthogonalize="yes"
         )
     with pytest.raises(ValueError, match=r"`funm_action\(adjoint=...\)` must be one"):
-        unchecked(funm)(jnp.exp, A_ERR, B_ERR, 2, method="lanczos", adjoint="vjp")
+        unchecked_funm(jnp.exp, A_ERR, B_ERR, 2, method="lanczos", adjoint="vjp")
     # A matrix function where a scalar one belongs, and the other way round.
     with pytest.raises(ValueError, match=r"`funm_action\(f=...\)` must map the \(2,\)"):
         funm(jnp.sum, A_ERR, B_ERR, 2, method="lanczos")
@@ -877,20 +879,22 @@ def test_funm_action_errors():
         funm(expm, A_ERR, B_ERR, 3, method="lanczos")
 
 
+
 def test_trace_funm_errors():
-    key, trace = jr.key(0), krylovjax.trace_funm
+    key, trace = jr.key(0), _traced(krylovjax.trace_funm)
+    unchecked_trace = _traced(unchecked(krylovjax.trace_funm))
     with pytest.raises(TypeError, match=r"`trace_funm\(like=...\)` is required"):
         trace(jnp.log, lambda x: 2 * x, key, 2, num_probes=2)
     with pytest.raises(ValueError, match=r"`trace_funm\(like=...\)` must have shape"):
-        unchecked(trace)(
+        unchecked_trace(
             jnp.log, lambda x: 2 * x, key, 2, num_probes=2, like=jnp.ones((3, 2))
         )
     with pytest.raises(
         ValueError, match=r"`trace_funm\(like=...\)` must have shape \(3"
     ):
-        unchecked(trace)(jnp.log, A_ERR, key, 2, num_probes=2, like=jnp.ones(4))
+        unchecked_trace(jnp.log, A_ERR, key, 2, num_probes=2, like=jnp.ones(4))
     with pytest.raises(ValueError, match=r"`trace_funm\(sampler=...\)` must be one of"):
-        unchecked(trace)(jnp.log, A_ERR, key, 2, num_probes=2, sampler="gauss")
+        unchecked_trace(jnp.log, A_ERR, key, 2, num_probes=2, sampler="gauss")
     with pytest.raises(ValueError, match=r"`trace_funm\(num_probes=...\)` must be an"):
         trace(jnp.log, A_ERR, key, 2, num_probes=0)
     with pytest.raises(
@@ -902,17 +906,17 @@ def test_trace_funm_errors():
     with pytest.raises(
         TypeError, match=r"`trace_funm\(A=...\)` must be a square array, .* type list"
     ):
-        unchecked(trace)(jnp.log, [[1.0, 0.0], [0.0, 1.0]], key, 2, num_probes=2)
+        unchecked_trace(jnp.log, [[1.0, 0.0], [0.0, 1.0]], key, 2, num_probes=2)
     with pytest.raises(
         TypeError, match=r"`trace_funm\(key=...\)` must be one JAX PRNG"
     ):
-        unchecked(trace)(jnp.log, A_ERR, 0, 2, num_probes=2)
+        unchecked_trace(jnp.log, A_ERR, 0, 2, num_probes=2)
     with pytest.raises(TypeError, match=r"`trace_funm\(A=...\)` must have a floating"):
-        unchecked(trace)(jnp.log, jnp.eye(3, dtype=int), key, 2, num_probes=2)
+        unchecked_trace(jnp.log, jnp.eye(3, dtype=int), key, 2, num_probes=2)
     with pytest.raises(ValueError, match=r"`trace_funm\(A=...\)` must be a square"):
-        unchecked(trace)(jnp.log, jnp.ones((3, 2)), key, 2, num_probes=2)
+        unchecked_trace(jnp.log, jnp.ones((3, 2)), key, 2, num_probes=2)
     with pytest.raises(TypeError, match=r"`trace_funm\(f=...\)` must be a callable"):
-        unchecked(trace)(None, A_ERR, key, 2, num_probes=2)
+        unchecked_trace(None, A_ERR, key, 2, num_probes=2)
     with pytest.raises(ValueError, match=r"`trace_funm\(f=...\)` must map the \(2,\)"):
         trace(jnp.sum, A_ERR, key, 2, num_probes=2)
     with pytest.raises(
@@ -929,24 +933,6 @@ def test_trace_funm_errors():
         trace(jnp.log, A_ERR, key, 2, num_probes=2**40)
 
 
-def test_row_sharded_matrix_on_both_mesh_kinds():
-    # Four forced host devices in a subprocess; see
-    # `_decomposition_sharding_script.py`.
-    record = run_on_four_devices("_decomposition_sharding_script.py")
-    assert len(record) == 9, record
-    assert max(record["Explicit, outside set_mesh"]) < 1e-12, record
-    for kind in ("Auto", "Explicit"):
-        for layout, spec in (
-            ("sharded", ["x", None]),
-            ("replicated", [None, None]),
-        ):
-            errors = record[f"{kind}, x0 {layout}"]
-            assert len(errors) == 9, record
-            assert max(errors) < 1e-12, record
-            if kind == "Explicit":
-                assert record[f"{kind}, x0 {layout}, basis"] == spec, record
-
-
 _CONCURRENT_EIGH_SCRIPT = """
 import jax, jax.numpy as jnp, jax.random as jr, numpy as np
 import krylovjax
@@ -955,10 +941,10 @@ Q = np.linalg.qr(np.random.default_rng(0).standard_normal((6, 6)))[0]
 S = jnp.asarray(Q @ np.diag(np.arange(1.0, 7.0)) @ Q.T)
 
 def logdet(S):
-    return krylovjax.trace_funm(jnp.log, S, jr.key(5), 6, num_probes=2000)
+    return krylovjax.trace_funm(jnp.log, S, jr.key(5), 6, num_probes=200)
 
 f = jax.jit(lambda S: (jax.grad(logdet)(S), jax.jvp(logdet, (S,), (S,))[1]))
-for _ in range(300):
+for _ in range(100):
     jax.block_until_ready(f(S))
 print("done")
 """
@@ -968,7 +954,8 @@ def test_trace_estimate_and_its_derivatives_in_one_program_do_not_hang():
     # A value and two derivatives of a trace estimate in one jitted program run
     # several batches of small eigendecompositions at once. jaxlib's batched CPU
     # `eigh` waits, on its own thread pool, for the parts it gave that pool, and two
-    # at once hung within 300 calls on two cores. In a subprocess, with a timeout.
+    # at once hung on two cores: with 200 probes at the first call, with 2000
+    # within 50. In a subprocess, with a timeout.
     result = subprocess.run(
         [sys.executable, "-c", _CONCURRENT_EIGH_SCRIPT],
         capture_output=True,

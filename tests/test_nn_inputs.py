@@ -5,6 +5,13 @@ Each layer takes a `dtype=` like `equinox.nn.Linear` and promotes its inputs wit
 inputs cast to the layer's dtype; inputs that are not arrays of numbers raise errors
 naming the layer's own argument. Also: array-likes and other sparse formats for the
 graph operator, integer types for `num_hops`, and graphs with no nodes.
+
+Compiling is what the tests spend their time on, and an eager call compiles each of
+its operations: but for the errors (raised before anything is computed) and the
+eager half of test_graph_conv_on_a_graph_with_no_nodes, the layers are called inside
+one jitted function per test, on inputs it closes over (so that each reaches the
+layer as it is: a NumPy array, a list, a BCOO matrix); checks of shapes and dtypes
+alone are traced (`eqx.filter_eval_shape`), never run.
 """
 
 import functools
@@ -15,7 +22,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import unchecked
+from helpers import numpy_array, unchecked
 from jax.experimental import sparse
 
 from krylovjax.nn import (
@@ -37,18 +44,38 @@ def _ring(n=N_NODES):
     return adjacency
 
 
-@functools.cache
-def _layer(kind, dtype=None):
+def _make(kind, dtype=None):
     # `dtype=` is passed only when given, so that the tests of the default layer
-    # exercise nothing but what they are about. Layers are immutable: each is made
-    # once (under the 64-bit mode of its first call; see
-    # test_default_dtype_follows_64_bit_mode for the other).
+    # exercise nothing but what they are about.
     kwargs = {"key": jr.key(0)} if dtype is None else {"key": jr.key(0), "dtype": dtype}
     if kind == "linear_dynamics":
         return LinearDynamics(3, 5, learn_x0=False, **kwargs)
     if kind == "state_space":
         return StateSpaceConv(4, 2, 3, 8, dt_min=0.05, dt_max=0.5, **kwargs)
     return KrylovGraphConv(2, 3, 2, **kwargs)
+
+
+# Every (kind, dtype) that the tests use.
+LAYERS = (
+    [(kind, None) for kind in KINDS]
+    + [(kind, jnp.float32) for kind in KINDS]
+    + [("state_space", jnp.float64)]
+    + [(kind, jnp.complex128) for kind in ["graph_dense", "graph_bcoo"]]
+)
+
+
+@functools.cache
+def _layers():
+    # Layers are immutable: each is made once, all by one jitted program (made one
+    # at a time, their random initialisations compile a program per shape and
+    # dtype), under the 64-bit mode of the first call (see
+    # test_default_dtype_follows_64_bit_mode for the other). Called outside the
+    # tests' traced functions: inside one, the cached layers would be its tracers.
+    return eqx.filter_jit(lambda: [_make(k, dtype) for k, dtype in LAYERS])()
+
+
+def _layer(kind, dtype=None):
+    return _layers()[LAYERS.index((kind, dtype))]
 
 
 def _inputs(kind):
@@ -69,10 +96,12 @@ def _call(kind, layer, inputs):
 
 
 def _bcoo(dense):
-    # `BCOO.fromdense` compares the matrix with a Python 0, a promotion that strict
-    # mode (conftest.py) refuses for a boolean matrix: JAX's, not krylovjax's.
-    with jax.numpy_dtype_promotion("standard"):
-        return sparse.BCOO.fromdense(jnp.asarray(dense))
+    """`BCOO.fromdense(dense)` for a NumPy matrix, built from NumPy's nonzero
+    entries: their values in `dense`'s dtype and their indices, in row-major
+    order."""
+    dense = np.asarray(dense)
+    indices = np.argwhere(dense).astype(np.int32)
+    return sparse.BCOO((dense[dense != 0], indices), shape=dense.shape)
 
 
 def _cast(inputs, dtype):
@@ -81,6 +110,10 @@ def _cast(inputs, dtype):
 
 def _tolerance(dtype):
     return 1e-5 if jnp.finfo(dtype).bits == 32 else 1e-12
+
+
+def _assert_close(case, actual, desired, **tolerance):
+    np.testing.assert_allclose(actual, desired, **tolerance, err_msg=str(case))
 
 
 # --- integer and boolean inputs --------------------------------------------------
@@ -94,35 +127,52 @@ CASES = [
     ("graph_bcoo", "H"),
     ("graph_bcoo", "adjacency"),
 ]
-
-
 # Every input of every layer once, the integer and boolean dtypes in turn.
-@pytest.mark.parametrize(
-    ("kind", "name", "input_dtype"),
-    [(*case, (np.int32, np.int64, np.bool_)[i % 3]) for i, case in enumerate(CASES)],
-)
-def test_integer_and_boolean_inputs_match_the_cast_input(kind, name, input_dtype):
-    # As with `equinox.nn.Linear`, an integer or boolean input is promoted to the
-    # layer's dtype: nothing is truncated and nothing raises.
-    layer = _layer(kind)  # float64: conftest.py enables 64-bit mode
-    inputs = _cast(_inputs(kind), np.float64)
-    inputs[name] = _inputs(kind)[name].astype(input_dtype)
-    expected = _call(kind, layer, _cast(inputs, np.float64))
-    out = _call(kind, layer, inputs)
-    assert out.dtype == jnp.float64
-    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+INPUT_CASES = [
+    (*case, (np.int32, np.int64, np.bool_)[i % 3]) for i, case in enumerate(CASES)
+]
+
+
+def test_integer_and_boolean_inputs_match_the_cast_input():
+    """As with `equinox.nn.Linear`, an integer or boolean input is promoted to the
+    layer's dtype: nothing is truncated and nothing raises. For every case of
+    `INPUT_CASES` (kind, input, its dtype), the float64 layer's output is float64
+    and equals its output for the input cast to float64."""
+    calls = []
+    for kind, name, input_dtype in INPUT_CASES:
+        inputs = _cast(_inputs(kind), np.float64)
+        inputs[name] = _inputs(kind)[name].astype(input_dtype)
+        calls.append((kind, _layer(kind), inputs, _cast(inputs, np.float64)))
+
+    def run():
+        return [
+            (_call(kind, layer, inputs), _call(kind, layer, cast))
+            for kind, layer, inputs, cast in calls
+        ]
+
+    for case, (out, expected) in zip(INPUT_CASES, jax.jit(run)(), strict=True):
+        assert out.dtype == jnp.float64, case
+        _assert_close(case, out, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_state_space_integer_input_keeps_the_convolution():
     # The convolution part is not cast away: the output differs from x @ D^T.
     layer = _layer("state_space")
     x = _inputs("state_space")["x"].astype(np.int32)
-    out = layer(x)
-    assert not np.allclose(out, x.astype(layer.D.dtype) @ layer.D.T, atol=1e-3)
+    out = jax.jit(lambda: layer(x))()
+    D = np.asarray(layer.D)
+    assert not np.allclose(out, x.astype(D.dtype) @ D.T, atol=1e-3)
 
 
 def _key_array(shape):
-    return jr.split(jr.key(0), shape)
+    # Keys made from NumPy data: `jr.split` compiles a program for each shape.
+    return jr.wrap_key_data(np.zeros((*np.atleast_1d(shape), 2), np.uint32))
+
+
+def _batched_bcoo():
+    """A `(6, 6)` BCOO matrix of ones with `n_batch=1`, from NumPy arrays."""
+    columns = np.broadcast_to(np.arange(6, dtype=np.int32)[None, :, None], (6, 6, 1))
+    return sparse.BCOO((np.ones((6, 6)), columns), shape=(6, 6))
 
 
 @pytest.mark.parametrize(
@@ -156,20 +206,18 @@ def _key_array(shape):
             r"`KrylovGraphConv\.__call__\(H=\.\.\.\)` must have a numeric",
         ),
         (
-            lambda: _layer("graph_dense")(_key_array((6, 6)), jnp.ones((6, 2))),
+            lambda: _layer("graph_dense")(_key_array((6, 6)), np.ones((6, 2))),
             TypeError,
             r"`KrylovGraphConv\.__call__\(adjacency=\.\.\.\)` must have a numeric",
         ),
         (
-            lambda: unchecked(_layer("graph_dense"))(lambda v: v, jnp.ones((6, 2))),
+            lambda: unchecked(_layer("graph_dense"))(lambda v: v, np.ones((6, 2))),
             TypeError,
             r"`KrylovGraphConv\.__call__\(adjacency=\.\.\.\)` must be an array of "
             r"numbers.*type function",
         ),
         (
-            lambda: _layer("graph_dense")(
-                sparse.BCOO.fromdense(jnp.ones((6, 6)), n_batch=1), jnp.ones((6, 2))
-            ),
+            lambda: _layer("graph_dense")(_batched_bcoo(), np.ones((6, 2))),
             ValueError,
             r"`KrylovGraphConv\.__call__\(adjacency=\.\.\.\)` must be a BCOO matrix "
             r"with n_batch=0 and n_dense=0; got n_batch=1",
@@ -190,8 +238,17 @@ def test_bad_inputs_name_the_layer_argument(call, error, match):
 # argument, before anything is allocated (JAX allocates asynchronously, so a weight
 # too large failed only when first used, with an out-of-memory error). A horizon
 # beyond the step counter's range is caught first in 32-bit mode, the memory bound
-# in 64-bit mode.
+# in 64-bit mode. The checks of a call are traced on abstract layers and inputs
+# (`eqx.filter_eval_shape`): they read shapes alone (the graph filter's weight, of
+# 10**7 + 1 entries, and its 10**4 x 10**4 adjacency matrix take seconds to make).
 HUGE = 10**15
+
+
+def _huge_graph_filter():
+    layer = eqx.filter_eval_shape(KrylovGraphConv, 1, 1, 10**7, key=jr.key(0))
+    adjacency = jax.ShapeDtypeStruct((10**4, 10**4), jnp.float64)
+    H = jax.ShapeDtypeStruct((10**4, 1), jnp.float64)
+    return eqx.filter_eval_shape(lambda layer, A, H: layer(A, H), layer, adjacency, H)
 
 
 @pytest.mark.parametrize(
@@ -204,9 +261,7 @@ HUGE = 10**15
             r"\(4, 3000000000000003\)",
         ),
         (
-            lambda: KrylovGraphConv(1, 1, 10**7, key=jr.key(0))(
-                jnp.eye(10**4), jnp.ones((10**4, 1))
-            ),
+            _huge_graph_filter,
             r"`KrylovGraphConv\(num_hops=\.\.\.\)` is too large: 10000001 stacked "
             r"copies of the node features `H`",
         ),
@@ -220,7 +275,9 @@ HUGE = 10**15
             r"copies of the state",
         ),
         (
-            lambda: LinearDynamics(3, 4, key=jr.key(0))(horizon=HUGE),
+            lambda: eqx.filter_eval_shape(
+                lambda: LinearDynamics(3, 4, key=jr.key(0))(horizon=HUGE)
+            ),
             r"`LinearDynamics\.__call__\(horizon=\.\.\.\)` (must be at most|is too "
             r"large)",
         ),
@@ -238,79 +295,113 @@ def test_sizes_too_large_name_the_layer_argument(call, match):
 # --- the layer's dtype ----------------------------------------------------------
 
 
-# float32 for every layer (float64, 64-bit mode's default, is what every other test
-# uses); float64 given explicitly once.
-@pytest.mark.parametrize(
-    "kind, dtype",
-    [(kind, jnp.float32) for kind in KINDS] + [("state_space", jnp.float64)],
-)
-def test_parameters_and_output_have_the_layer_dtype(kind, dtype):
-    layer = _layer(kind, dtype=dtype)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(
-        eqx.filter(layer, eqx.is_array)
-    ):
-        assert leaf.dtype == dtype, jax.tree_util.keystr(path)
-    out = _call(kind, layer, _cast(_inputs(kind), dtype))
-    assert out.dtype == dtype
-    # The same parameters in float64 give the same output, to the dtype's accuracy.
-    wide = jax.tree.map(
+def _widened(layer):
+    """`layer` with its floating-point parameters in float64."""
+    return jax.tree.map(
         lambda x: x.astype(jnp.float64) if eqx.is_inexact_array(x) else x, layer
     )
-    expected = _call(kind, wide, _cast(_inputs(kind), np.float64))
-    tol = _tolerance(dtype)
-    np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_integer_input_to_a_float32_layer_gives_float32(kind):
-    layer = _layer(kind, dtype=jnp.float32)
-    out = _call(kind, layer, _inputs(kind))  # int64 inputs under x64
-    assert out.dtype == jnp.float32
-    expected = _call(kind, layer, _cast(_inputs(kind), np.float32))
-    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+# float32 for every layer (float64, 64-bit mode's default, is what every other test
+# uses); float64 given explicitly once.
+DTYPE_CASES = [(kind, jnp.float32) for kind in KINDS] + [("state_space", jnp.float64)]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_wider_input_promotes_a_float32_layer(kind):
-    # JAX's promotion, as in `equinox.nn.Linear`: float64 input, float64 output.
-    layer = _layer(kind, dtype=jnp.float32)
-    out = _call(kind, layer, _cast(_inputs(kind), np.float64))
-    assert out.dtype == jnp.float64
+def test_parameters_and_output_have_the_layer_dtype():
+    """For every case of `DTYPE_CASES` (kind, dtype), in one program:
+
+    - the parameters and the output for inputs in the dtype have the layer's dtype,
+      and the same parameters in float64 give the same output to the dtype's
+      accuracy;
+    - for a float32 layer, integer inputs (int64 under x64) give float32, equal to
+      the output for the inputs cast to float32;
+    - for a float32 layer, float64 inputs give float64 (JAX's promotion, as in
+      `equinox.nn.Linear`).
+    """
+
+    layers = [_layer(kind, dtype=dtype) for kind, dtype in DTYPE_CASES]
+
+    def run():
+        out = []
+        for (kind, dtype), layer in zip(DTYPE_CASES, layers, strict=True):
+            wide = _call(kind, _widened(layer), _cast(_inputs(kind), np.float64))
+            float32 = None
+            if dtype == jnp.float32:
+                float32 = (
+                    _call(kind, layer, _inputs(kind)),
+                    _call(kind, layer, _cast(_inputs(kind), np.float64)),
+                )
+            out.append((_call(kind, layer, _cast(_inputs(kind), dtype)), wide, float32))
+        return out
+
+    for case, (out, expected, float32) in zip(DTYPE_CASES, jax.jit(run)(), strict=True):
+        kind, dtype = case
+        layer = _layer(kind, dtype=dtype)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(
+            eqx.filter(layer, eqx.is_array)
+        ):
+            assert leaf.dtype == dtype, (case, jax.tree_util.keystr(path))
+        assert out.dtype == dtype, case
+        tol = _tolerance(dtype)
+        _assert_close(case, out, expected, rtol=tol, atol=tol)
+        if float32 is not None:
+            integer, wider = float32
+            assert integer.dtype == jnp.float32, case
+            _assert_close(case, integer, out, rtol=1e-6, atol=1e-6)
+            assert wider.dtype == jnp.float64, case
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_default_dtype_follows_64_bit_mode(kind):
-    # `dtype=None` is float64 in 64-bit mode and float32 otherwise, as in eqx.nn.Linear.
+    # `dtype=None` is float64 in 64-bit mode and float32 otherwise, as in
+    # eqx.nn.Linear. The layer is made anew (not the cached one), traced: only the
+    # dtypes of its parameters are read.
     for x64, dtype in [(True, jnp.float64), (False, jnp.float32)]:
         with jax.enable_x64(x64):
-            layer = _layer.__wrapped__(kind)  # made anew, not the cached layer
-            leaves = jax.tree_util.tree_leaves(eqx.filter(layer, eqx.is_array))
+            layer = eqx.filter_eval_shape(_make, kind)
+            leaves = [
+                leaf
+                for leaf in jax.tree_util.tree_leaves(layer)
+                if isinstance(leaf, jax.ShapeDtypeStruct)
+            ]
             assert {leaf.dtype for leaf in leaves} == {jnp.dtype(dtype)}
 
 
 def test_complex_linear_dynamics_matches_matrix_powers():
-    model = LinearDynamics(3, 5, dtype=jnp.complex128, key=jr.key(1))
-    K, x0 = model.transition, model.x0
-    assert K.dtype == x0.dtype == jnp.complex128
-    assert jnp.all(K.imag != 0)
-    expected = jnp.stack([jnp.linalg.matrix_power(K, t) @ x0 for t in range(5)])
-    out = model()
+    def run():
+        model = LinearDynamics(3, 5, dtype=jnp.complex128, key=jr.key(1))
+        return model, model()
+
+    model, out = eqx.filter_jit(run)()
+    K, x0 = np.asarray(model.transition), np.asarray(model.x0)
+    assert model.transition.dtype == model.x0.dtype == jnp.complex128
+    assert np.all(K.imag != 0)
+    expected = np.stack([np.linalg.matrix_power(K, t) @ x0 for t in range(5)])
     assert out.dtype == jnp.complex128
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["graph_dense", "graph_bcoo"])
-def test_complex_graph_conv_matches_sum_of_powers(kind):
-    layer = _layer(kind, dtype=jnp.complex128)
-    assert layer.weight.dtype == layer.bias.dtype == jnp.complex128
-    inputs = _cast(_inputs(kind), np.float64)
-    adjacency, H = inputs["adjacency"], inputs["H"]
-    blocks = [np.linalg.matrix_power(adjacency, j) @ H for j in range(3)]
-    weight, bias = np.asarray(layer.weight), np.asarray(layer.bias)
-    expected = np.concatenate(blocks, axis=1) @ weight.T + bias
-    out = _call(kind, layer, inputs)
-    assert out.dtype == jnp.complex128
-    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+def test_complex_graph_conv_matches_sum_of_powers():
+    """A complex128 graph filter, dense and BCOO adjacency: complex parameters and
+    output, the weighted sum of the powers of the adjacency matrix."""
+    kinds = ["graph_dense", "graph_bcoo"]
+    inputs = _cast(_inputs("graph_dense"), np.float64)
+    layers = [_layer(kind, dtype=jnp.complex128) for kind in kinds]
+    outs = jax.jit(
+        lambda: [
+            _call(kind, layer, inputs)
+            for kind, layer in zip(kinds, layers, strict=True)
+        ]
+    )()
+    for kind, out in zip(kinds, outs, strict=True):
+        layer = _layer(kind, dtype=jnp.complex128)
+        assert layer.weight.dtype == layer.bias.dtype == jnp.complex128
+        adjacency, H = inputs["adjacency"], inputs["H"]
+        blocks = [np.linalg.matrix_power(adjacency, j) @ H for j in range(3)]
+        weight, bias = np.asarray(layer.weight), np.asarray(layer.bias)
+        expected = np.concatenate(blocks, axis=1) @ weight.T + bias
+        assert out.dtype == jnp.complex128, kind
+        _assert_close(kind, out, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -349,30 +440,45 @@ def test_dtype_errors(build, match):
 # --- StateSpaceConv: half-precision and complex inputs ---------------------------
 
 
-@pytest.mark.parametrize("input_dtype", [jnp.float16, jnp.bfloat16])
-def test_state_space_half_precision_input_is_promoted(input_dtype):
+def test_state_space_half_precision_input_is_promoted():
+    """float16 and bfloat16 inputs to the float64 layer give float64, its output
+    for the input cast to float64."""
     layer = _layer("state_space")
-    x = jnp.asarray(_inputs("state_space")["x"] / 4, dtype=input_dtype)
-    out = layer(x)
-    assert out.dtype == jnp.float64
-    np.testing.assert_allclose(out, layer(x.astype(jnp.float64)), rtol=1e-12)
+    dtypes = [jnp.float16, jnp.bfloat16]
+    xs = [np.asarray(_inputs("state_space")["x"] / 4).astype(t) for t in dtypes]
+
+    def run():
+        xs_jax = [jnp.asarray(x) for x in xs]  # JAX arrays, made in the program
+        return [(layer(x), layer(x.astype(jnp.float64))) for x in xs_jax]
+
+    outs = jax.jit(run)()
+    for dtype, (out, expected) in zip(dtypes, outs, strict=True):
+        assert out.dtype == jnp.float64, dtype
+        _assert_close(dtype, out, expected, rtol=1e-12)
 
 
-@pytest.mark.parametrize(
-    ("input_dtype", "out_dtype"),
-    [(jnp.complex64, jnp.complex128), (jnp.complex128, jnp.complex128)],
-)
-def test_state_space_complex_input_is_the_linear_map_on_each_part(
-    input_dtype, out_dtype
-):
+# (input dtype, output dtype)
+COMPLEX_CASES = [(jnp.complex64, jnp.complex128), (jnp.complex128, jnp.complex128)]
+
+
+def test_state_space_complex_input_is_the_linear_map_on_each_part():
+    """A complex input to the float64 layer: the output has the promoted dtype and
+    is the layer applied to the real and to the imaginary part, for complex64 and
+    complex128 (`COMPLEX_CASES`)."""
     layer = _layer("state_space")
-    re = jr.normal(jr.key(1), (8, 2))
-    im = jr.normal(jr.key(2), (8, 2))
-    x = jax.lax.complex(re, im).astype(input_dtype)
-    out = layer(x)
-    assert out.dtype == out_dtype
-    expected = jax.lax.complex(layer(x.real), layer(x.imag))
-    np.testing.assert_allclose(out, expected, rtol=1e-10, atol=1e-12)
+    z = numpy_array(1, (8, 2), jnp.complex128)
+    xs = [z.astype(input_dtype) for input_dtype, _ in COMPLEX_CASES]
+
+    def run():
+        xs_jax = [jnp.asarray(x) for x in xs]  # JAX arrays, made in the program
+        return [
+            (layer(x), jax.lax.complex(layer(x.real), layer(x.imag))) for x in xs_jax
+        ]
+
+    outs = jax.jit(run)()
+    for case, (out, expected) in zip(COMPLEX_CASES, outs, strict=True):
+        assert out.dtype == case[1], case
+        _assert_close(case, out, expected, rtol=1e-10, atol=1e-12)
 
 
 # --- KrylovGraphConv(num_hops=...) ------------------------------------------------
@@ -382,12 +488,18 @@ def test_state_space_complex_input_is_the_linear_map_on_each_part(
     "num_hops", [np.int64(2), np.int32(2), np.uint8(2), np.array(2), np.int64(0)]
 )
 def test_num_hops_accepts_any_integer_type(num_hops):
-    layer = KrylovGraphConv(2, 3, num_hops, key=jr.key(0))
+    # Traced, not run: the layer's fields, its weight's shape and its output's.
+    layer = eqx.filter_eval_shape(
+        lambda: KrylovGraphConv(2, 3, num_hops, key=jr.key(0))
+    )
     assert type(layer.num_hops) is int
     assert layer.num_hops == int(num_hops)
     assert layer.weight.shape == (3, 2 * (int(num_hops) + 1))
-    H = jnp.ones((N_NODES, 2))
-    assert layer(normalise_adjacency(_ring()), H).shape == (N_NODES, 3)
+    H = jax.ShapeDtypeStruct((N_NODES, 2), jnp.float64)
+    out = eqx.filter_eval_shape(
+        lambda layer, H: layer(normalise_adjacency(_ring()), H), layer, H
+    )
+    assert out.shape == (N_NODES, 3)
 
 
 @pytest.mark.parametrize("num_hops", [True, np.bool_(True), 2.0, np.float64(2.0)])
@@ -404,16 +516,20 @@ def test_num_hops_rejects_bool_and_non_integers(num_hops):
 
 def test_adjacency_as_nested_lists():
     layer = _layer("graph_dense")
-    adjacency = normalise_adjacency(_ring().astype(np.float64))
-    H = jr.normal(jr.key(3), (N_NODES, 2))
-    np.testing.assert_allclose(
-        layer(adjacency.tolist(), H), layer(adjacency, H), rtol=1e-12
-    )
-    np.testing.assert_allclose(
-        normalise_adjacency(_ring().tolist()),
-        normalise_adjacency(_ring().astype(np.float64)),
-        rtol=1e-12,
-    )
+    adjacency = _ring() / 3.0
+    H = numpy_array(3, (N_NODES, 2), jnp.float64)
+
+    def run():
+        return (
+            layer(adjacency.tolist(), H),
+            layer(adjacency, H),
+            normalise_adjacency(_ring().tolist()),
+            normalise_adjacency(_ring().astype(np.float64)),
+        )
+
+    from_lists, from_array, normalised_lists, normalised = jax.jit(run)()
+    np.testing.assert_allclose(from_lists, from_array, rtol=1e-12)
+    np.testing.assert_allclose(normalised_lists, normalised, rtol=1e-12)
 
 
 def test_normalise_boolean_adjacency_with_self_loops():
@@ -421,19 +537,23 @@ def test_normalise_boolean_adjacency_with_self_loops():
     # so that a self-loop counts twice on the diagonal, as for the float matrix.
     adjacency = _ring().astype(bool)
     adjacency[1, 1] = True
-    expected = normalise_adjacency(adjacency.astype(np.float64))
-    for matrix in [adjacency, _bcoo(adjacency)]:
-        out = normalise_adjacency(matrix)
-        dense = out.todense() if isinstance(out, sparse.BCOO) else out
-        assert dense.dtype == jnp.float64
-        np.testing.assert_allclose(dense, expected, rtol=1e-12)
+
+    def run():
+        expected = normalise_adjacency(adjacency.astype(np.float64))
+        dense = normalise_adjacency(adjacency)
+        return expected, dense, normalise_adjacency(_bcoo(adjacency)).todense()
+
+    expected, *outs = jax.jit(run)()
+    for name, dense in zip(["dense", "BCOO"], outs, strict=True):
+        assert dense.dtype == jnp.float64, name
+        _assert_close(name, dense, expected, rtol=1e-12)
 
 
 def test_scipy_sparse_adjacency_raises_with_the_conversion():
     scipy_sparse = pytest.importorskip("scipy.sparse")
     layer = _layer("graph_dense")
     matrix = scipy_sparse.csr_matrix(_ring().astype(np.float64))
-    H = jnp.ones((N_NODES, 2))
+    H = np.ones((N_NODES, 2))
     hint = r"SciPy sparse matrix.*`jax\.experimental\.sparse\.BCOO\.from_scipy_sparse`"
     with pytest.raises(TypeError, match=r"`KrylovGraphConv\.__call__\(adjacency=.*"):
         unchecked(layer)(matrix, H)
@@ -441,20 +561,30 @@ def test_scipy_sparse_adjacency_raises_with_the_conversion():
         unchecked(layer)(matrix, H)
     with pytest.raises(TypeError, match=r"`normalise_adjacency\(adjacency=.*" + hint):
         unchecked(normalise_adjacency)(matrix)
+
     # The conversion the message suggests works.
-    converted = sparse.BCOO.from_scipy_sparse(matrix)
-    np.testing.assert_allclose(
-        layer(converted, H), layer(matrix.toarray(), H), rtol=1e-12
-    )
+    def run():
+        converted = sparse.BCOO.from_scipy_sparse(matrix)
+        return layer(converted, H), layer(matrix.toarray(), H)
+
+    converted, dense = jax.jit(run)()
+    np.testing.assert_allclose(converted, dense, rtol=1e-12)
 
 
 def test_bcsr_adjacency_raises_with_the_conversion():
-    matrix = sparse.BCSR.fromdense(jnp.asarray(_ring(), dtype=jnp.float64))
+    # The BCSR matrix of the ring, from NumPy: its row pointers, column indices and
+    # values.
+    ring = _ring().astype(np.float64)
+    rows, columns = np.nonzero(ring)
+    indptr = np.searchsorted(rows, np.arange(N_NODES + 1)).astype(np.int32)
+    matrix = sparse.BCSR(
+        (ring[rows, columns], columns.astype(np.int32), indptr), shape=ring.shape
+    )
     match = (
         r"adjacency=\.\.\.\)` must be a dense array or a .*BCOO.*got a BCSR.*to_bcoo"
     )
     with pytest.raises(TypeError, match=match):
-        unchecked(_layer("graph_dense"))(matrix, jnp.ones((N_NODES, 2)))
+        unchecked(_layer("graph_dense"))(matrix, np.ones((N_NODES, 2)))
     with pytest.raises(TypeError, match=match):
         unchecked(normalise_adjacency)(matrix)
 
@@ -463,10 +593,14 @@ def test_bcsr_adjacency_raises_with_the_conversion():
 
 
 def _empty(kind):
-    adjacency = jnp.zeros((0, 0))
-    return sparse.BCOO.fromdense(adjacency) if kind == "graph_bcoo" else adjacency
+    """The adjacency matrix of a graph with no nodes (a BCOO one stores nothing)."""
+    if kind == "graph_bcoo":
+        return sparse.BCOO((np.zeros(0), np.zeros((0, 2), np.int32)), shape=(0, 0))
+    return jnp.zeros((0, 0))
 
 
+# Eagerly and under jit: eagerly, every operation of the layer and of its gradient
+# runs on its own.
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("kind", ["graph_dense", "graph_bcoo"])
 def test_graph_conv_on_a_graph_with_no_nodes(kind, jit):
@@ -477,36 +611,45 @@ def test_graph_conv_on_a_graph_with_no_nodes(kind, jit):
         layer, H = layer_and_H
         return jnp.sum(layer(adjacency, H) ** 2)
 
-    apply = eqx.filter_jit(layer.__call__) if jit else layer
-    out = apply(adjacency, H)
+    def both(layer, H):
+        grad = eqx.filter_grad(loss)
+        return layer(adjacency, H), grad((layer, H))
+
+    out, (grads, grad_H) = (eqx.filter_jit(both) if jit else both)(layer, H)
     assert out.shape == (0, 3)
     assert out.dtype == jnp.float64
-    grad = eqx.filter_grad(loss)
-    grads, grad_H = (eqx.filter_jit(grad) if jit else grad)((layer, H))
     assert grads.weight.shape == layer.weight.shape
     np.testing.assert_array_equal(grads.weight, 0)
     np.testing.assert_array_equal(grads.bias, 0)
     assert grad_H.shape == (0, 2)
 
 
-@pytest.mark.parametrize("kind", ["graph_dense", "graph_bcoo"])
-def test_graph_conv_adjacency_gradient_on_a_graph_with_no_nodes(kind):
-    layer, H = _layer(kind), jnp.zeros((0, 2))
-    adjacency = _empty(kind)
-    if kind == "graph_bcoo":
-        grad = jax.grad(
-            lambda data: jnp.sum(
-                layer(sparse.BCOO((data, adjacency.indices), shape=(0, 0)), H)
-            )
-        )(adjacency.data)
-        assert grad.shape == adjacency.data.shape
-    else:
-        grad = jax.grad(lambda a: jnp.sum(layer(a, H)))(adjacency)
-        assert grad.shape == (0, 0)
+def test_graph_conv_adjacency_gradient_on_a_graph_with_no_nodes():
+    """The gradient with respect to the adjacency matrix of a graph with no nodes:
+    of the dense matrix, `(0, 0)`; of a BCOO matrix's stored values, empty."""
+    dense, bcoo = _empty("graph_dense"), _empty("graph_bcoo")
+    dense_layer, bcoo_layer = _layer("graph_dense"), _layer("graph_bcoo")
+
+    def run(dense, data):
+        H = jnp.zeros((0, 2))
+
+        def from_bcoo(data):
+            A = sparse.BCOO((data, bcoo.indices), shape=(0, 0))
+            return jnp.sum(bcoo_layer(A, H))
+
+        return (
+            jax.grad(lambda a: jnp.sum(dense_layer(a, H)))(dense),
+            jax.grad(from_bcoo)(data),
+        )
+
+    grad_dense, grad_data = jax.jit(run)(dense, bcoo.data)
+    assert grad_dense.shape == (0, 0)
+    assert grad_data.shape == bcoo.data.shape
 
 
-@pytest.mark.parametrize("kind", ["graph_dense", "graph_bcoo"])
-def test_normalise_adjacency_with_no_nodes(kind):
-    out = normalise_adjacency(_empty(kind))
-    assert isinstance(out, sparse.BCOO) == (kind == "graph_bcoo")
-    assert out.shape == (0, 0)
+def test_normalise_adjacency_with_no_nodes():
+    kinds = ["graph_dense", "graph_bcoo"]
+    outs = jax.jit(lambda: [normalise_adjacency(_empty(kind)) for kind in kinds])()
+    for kind, out in zip(kinds, outs, strict=True):
+        assert isinstance(out, sparse.BCOO) == (kind == "graph_bcoo"), kind
+        assert out.shape == (0, 0), kind
