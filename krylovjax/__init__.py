@@ -4,17 +4,30 @@ import importlib.metadata
 
 from . import nn as nn
 from ._arnoldi import Arnoldi as Arnoldi, arnoldi as arnoldi
+from ._bases import (
+    AbstractBasis as AbstractBasis,
+    Chebyshev as Chebyshev,
+    Jacobi as Jacobi,
+    Legendre as Legendre,
+    ThreeTerm as ThreeTerm,
+)
 from ._funm import funm_action as funm_action, trace_funm as trace_funm
 from ._iterate import iterate as iterate
 from ._krylov import auto_method as auto_method, krylov as krylov
 from ._lanczos import Lanczos as Lanczos, lanczos as lanczos
+from ._spectrum import spectrum_interval as spectrum_interval
 from ._typing import OperatorLike as OperatorLike, StaticInt as StaticInt
 
 __all__ = [
+    "AbstractBasis",
     "Arnoldi",
+    "Chebyshev",
+    "Jacobi",
     "Lanczos",
+    "Legendre",
     "OperatorLike",
     "StaticInt",
+    "ThreeTerm",
     "arnoldi",
     "auto_method",
     "funm_action",
@@ -22,6 +35,7 @@ __all__ = [
     "krylov",
     "lanczos",
     "nn",
+    "spectrum_interval",
     "trace_funm",
 ]
 

@@ -70,12 +70,13 @@ from ._checks import (
     check_size,
     standard_result_type,
 )
+from ._expansion import chebyshev_action
 from ._lanczos import lanczos_in_working_dtype
 from ._operator import check_operator_type, closure_convert
 from ._orthogonal import Adjoint, check_problem, working_dtype
 from ._typing import OperatorLike, StaticInt
 
-METHODS = ("lanczos", "arnoldi")
+METHODS = ("lanczos", "arnoldi", "chebyshev")
 SAMPLERS = ("rademacher", "normal", "sphere")
 
 
@@ -85,9 +86,10 @@ def funm_action(
     b: Inexact[Array | np.ndarray, " n"],
     d: StaticInt,
     *,
-    method: Literal["lanczos", "arnoldi"],
+    method: Literal["lanczos", "arnoldi", "chebyshev"],
     reorthogonalize: bool = True,
     adjoint: Adjoint = "custom_jvp",
+    interval: tuple[Any, Any] | None = None,
 ) -> Inexact[Array, " n"]:
     r"""The action $f(A)\, b$ of a matrix function, from $d$ Krylov vectors.
 
@@ -107,6 +109,19 @@ def funm_action(
         Hessenberg $H = Q^* A Q$, and `f` is a **matrix function**, called on the
         `(d, d)` array $H$ (`jax.scipy.linalg.expm`, or a polynomial or rational
         function of $H$).
+
+    - `method="chebyshev"`, for symmetric or Hermitian $A$ with spectrum in
+        `interval=(lo, hi)`: `f` is a **scalar function**, replaced by its
+        Chebyshev interpolant of degree $d - 1$ on the interval (computed in JAX
+        from `f` at the $d$ Chebyshev nodes), and
+        $f(A)\, b \approx \sum_k c_k T_k(A)\, b$ with the vectors from
+        `krylov(A, b, d, basis=Chebyshev(lo, hi))`: no inner products and no
+        small eigenproblem, so nothing but products with $A$ per step (no global
+        reduction on many devices). Its error is uniform on the interval and falls
+        like $\rho^{-d}$ for `f` analytic in an ellipse of parameter $\rho$ around
+        it; Lanczos adapts to the spectrum and to `b`, and is never worse than twice
+        the best polynomial of its degree (see the docs' page on polynomial bases
+        for both at equal products).
 
     The two kinds of `f` are not interchangeable, and `method` has no default so that
     every call says which it passes: `jnp.exp` with `method="arnoldi"` would
@@ -155,6 +170,9 @@ def funm_action(
         against all previous ones (default `True`). Without it, Lanczos loses
         orthogonality once Ritz values converge and the result stalls at a
         level that depends on $A$; see the docs' page on bases.
+    - `interval`: with `method="chebyshev"` (and only then, where it is required),
+        the pair `(lo, hi)` of real scalars that holds the spectrum of `A`
+        ([`krylovjax.spectrum_interval`][] estimates one); gradients reach it.
     - `adjoint`: the decomposition's derivative rule, passed on to it: its default
         `"custom_jvp"` (forward and reverse mode), or `"autodiff"` (JAX's own rules
         through the loop, to compare against).
@@ -235,6 +253,16 @@ def funm_action(
             f"`{fn_name}(b=...)` must be one vector of shape (n,); got shape {b.shape}."
         )
         raise ValueError(msg)
+    if (method == "chebyshev") != (interval is not None):
+        msg = (
+            f"`{fn_name}(interval=...)` is required with `method='chebyshev'` and "
+            f"taken by no other method; got method={method!r}, interval={interval!r}."
+        )
+        raise ValueError(msg)
+    if method == "chebyshev":
+        check_choice(adjoint, ("custom_jvp", "autodiff"), f"{fn_name}(adjoint=...)")
+        y = chebyshev_action(f, A, b, d, interval, adjoint)
+        return y.astype(_result_dtype(b.dtype, y.dtype))
     # The decomposition checks its arguments again; this names `funm_action`.
     _, b_promoted, d = check_problem(
         A, b, d, reorthogonalize, adjoint, fn_name, vector="b"

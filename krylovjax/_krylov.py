@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Inexact
 
+from ._bases import AbstractBasis
 from ._checks import as_array, check_choice, check_depth, check_output_size
 from ._doubling import choose_method, krylov_doubling, krylov_doubling_custom_vjp
 from ._operator import AbstractOperator, as_operator
+from ._recurrence import recurrence_custom_jvp, recurrence_scan
 from ._scan import krylov_custom_jvp, krylov_custom_vjp, krylov_scan
 from ._sequence import ADJOINTS, Adjoint
 from ._typing import OperatorLike, StaticInt
@@ -34,6 +36,12 @@ BUILDERS: dict[tuple[str, str], Callable[[AbstractOperator, Array, int], Array]]
     ("doubling", "custom_vjp"): krylov_doubling_custom_vjp,
     ("doubling", "autodiff"): krylov_doubling,
 }
+# adjoint -> builder of a polynomial basis (`basis=`), `(operator, x0,
+# coefficients, d)` -> the stack; the scan is its only method.
+BASIS_BUILDERS = {
+    "custom_jvp": recurrence_custom_jvp,
+    "autodiff": recurrence_scan,
+}
 # The rule each method uses when `adjoint=None`.
 DEFAULT_ADJOINT: dict[str, str] = {"scan": "custom_jvp", "doubling": "custom_vjp"}
 
@@ -46,8 +54,10 @@ def krylov(
     layout: Literal["columns", "rows"] = "columns",
     adjoint: Adjoint | None = None,
     method: Literal["scan", "doubling", "auto"] = "scan",
+    basis: AbstractBasis | None = None,
 ) -> Inexact[Array, "..."]:
-    r"""Build the Krylov matrix $[x_0, A x_0, A^2 x_0, \dots, A^{d-1} x_0]$.
+    r"""Build the Krylov matrix $[x_0, A x_0, A^2 x_0, \dots, A^{d-1} x_0]$, or
+    $[p_0(A) x_0, \dots, p_{d-1}(A) x_0]$ in a polynomial basis.
 
     By default the $d$ vectors are built by one `lax.scan` of $d - 1$ applications
     of $A$, and one derivative rule serves forward and reverse mode: `jax.jvp`,
@@ -126,6 +136,19 @@ def krylov(
         $2 b d$), and were measured on CPU ([`krylovjax.auto_method`][] names the
         choice; the measurements are in `benchmarks/README.md`); other backends use
         the CPU thresholds until measured.
+    - `basis`: `None` (default) for the monomial basis $A^k x_0$; or a basis of
+        polynomials $p_k$ with a three-term recurrence,
+        $p_{k+1}(A) x = (a_k A + b_k) p_k(A) x - c_k p_{k-1}(A) x$:
+        [`krylovjax.Chebyshev`][], [`krylovjax.Legendre`][],
+        [`krylovjax.Jacobi`][] on an interval that holds the spectrum (see
+        [`krylovjax.spectrum_interval`][]), or [`krylovjax.ThreeTerm`][] with
+        coefficients of your own, which may be learned. Column $k$ is then
+        $p_k(A) x_0$, built by one `lax.scan` (`method="scan"`; doubling is for the
+        monomial basis only) with the derivative contract of the default: one rule
+        for forward and reverse mode (`adjoint="custom_jvp"`, or `"autodiff"`), a
+        reverse pass that keeps only the output, and gradients that reach the
+        basis's own arrays (the interval, Jacobi's exponents, `ThreeTerm`'s
+        coefficients). See the docs' page on polynomial bases.
 
     **Returns:**
 
@@ -154,6 +177,9 @@ def krylov(
         check_choice(adjoint, ADJOINTS, "krylov(adjoint=...)")
     check_choice(method, METHODS, "krylov(method=...)")
     operator, x0, d = _problem(A, x0, d, "krylov")
+    if basis is not None:
+        xs = _in_basis(operator, x0, d, basis, adjoint, method)
+        return xs if layout == "rows" else jnp.moveaxis(xs, 0, 1)
     if method == "auto":
         # Doubling has a reverse-mode rule only: an explicit request for forward
         # mode keeps the scan.
@@ -170,6 +196,47 @@ def krylov(
         raise ValueError(msg)
     xs = x0[None] if d == 1 else build(operator, x0, d)
     return xs if layout == "rows" else jnp.moveaxis(xs, 0, 1)
+
+
+def _in_basis(operator, x0, d, basis, adjoint, method) -> Array:
+    """The stack of $p_k(A) x_0$ for a polynomial `basis`."""
+    if not isinstance(basis, AbstractBasis):
+        msg = (
+            f"`krylov(basis=...)` must be `None` or a basis such as "
+            f"`krylovjax.Chebyshev(lo, hi)`; got an object of type "
+            f"{type(basis).__name__}."
+        )
+        raise TypeError(msg)
+    if method == "doubling":
+        msg = (
+            "`krylov(method='doubling')` builds the monomial basis only; with "
+            "`basis=...` use `method='scan'` (the default)."
+        )
+        raise ValueError(msg)
+    rule = "custom_jvp" if adjoint is None else adjoint
+    build = BASIS_BUILDERS.get(rule)
+    if build is None:
+        msg = (
+            f"`krylov(adjoint={rule!r})` is not available with `basis=...`, which "
+            f"offers {list(BASIS_BUILDERS)}."
+        )
+        raise ValueError(msg)
+    # The coefficients in the real dtype of x0 (at least float32), cast to x0's:
+    # the cast's derivative takes the real part for a complex x0.
+    real = jnp.finfo(x0.dtype).dtype
+    if real.itemsize < 4:
+        real = jnp.dtype(jnp.float32)
+    coefficients = basis.coefficients(d, real)
+    shapes = [getattr(coef, "shape", None) for coef in coefficients]
+    if len(coefficients) != 3 or any(shape != (d - 1,) for shape in shapes):
+        msg = (
+            f"`krylov(basis=...)`: `{type(basis).__name__}.coefficients({d}, ...)` "
+            f"must return three arrays (a, b, c) of shape ({d - 1},); got shapes "
+            f"{shapes}."
+        )
+        raise ValueError(msg)
+    a, b, c = (jnp.asarray(coef).astype(x0.dtype) for coef in coefficients)
+    return x0[None] if d == 1 else build(operator, x0, (a, b, c), d)
 
 
 def auto_method(

@@ -24,7 +24,8 @@ prints the cells, `--function` and `--only` select some.)
   columns;
 - `x0`: the starting vector, `"replicated"` (`(n,)`, `P()`), `"rows"` (`(n,)`,
   `P("x")`) or `"block"` (`(n, b)`, split along `b`: `P(None, "x")`);
-- `function`: `krylov`, `iterate`, `arnoldi`, `lanczos`,
+- `function`: `krylov`, `chebyshev` (`krylov` with
+  `basis=krylovjax.Chebyshev(-3, 3)`), `iterate`, `arnoldi`, `lanczos`,
   `funm_action`, `trace_funm`, and the layers `nn.KrylovGraphConv`,
   `nn.LinearDynamics` and `nn.StateSpaceConv` (`graph_conv`, `linear_dynamics`,
   `state_space`);
@@ -148,6 +149,11 @@ FUNCTIONS: dict[str, dict] = {
         operators=OPERATORS,
         options=dict(method=KRYLOV_METHODS, layout=("columns", "rows")),
         paired=("method", "layout"),
+    ),
+    # `krylov` in a polynomial basis (`basis=krylovjax.Chebyshev(-3, 3)`).
+    "chebyshev": dict(
+        operators=OPERATORS,
+        options=dict(adjoint=("custom_jvp", "autodiff"), layout=("columns", "rows")),
     ),
     "iterate": dict(
         operators=OPERATORS,
@@ -533,6 +539,15 @@ class Problem:
                 adjoint=adjoint,
                 layout=options["layout"],
             )
+        if f == "chebyshev":
+            return krylovjax.krylov(
+                self.operator_of(a),
+                a["x0"],
+                d,
+                basis=krylovjax.Chebyshev(-3.0, 3.0),
+                adjoint=options["adjoint"],
+                layout=options["layout"],
+            )
         if f == "iterate":
             step = self.operator_of(a)
             if self.operator == "bcoo":
@@ -702,6 +717,7 @@ def _reference_options(function, options):
 # block, or a `jax.vmap`), and the axis of the value that stacks them.
 COLUMNS = dict(
     krylov=2,
+    chebyshev=2,
     arnoldi=0,
     lanczos=0,
     funm_action=0,
@@ -1003,7 +1019,7 @@ def _decomposition_specs(record) -> list:
 # once and neither computes the other's references.
 SHARDS = (
     ("krylov", "iterate", "linear_dynamics", "graph_conv", "state_space", "trace_funm"),
-    ("arnoldi", "lanczos", "funm_action"),
+    ("arnoldi", "lanczos", "funm_action", "chebyshev"),
 )
 
 

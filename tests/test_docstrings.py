@@ -22,6 +22,8 @@ import krylovjax
 
 CORE_MODULES = [
     "krylovjax._krylov",
+    "krylovjax._bases",
+    "krylovjax._spectrum",
     "krylovjax._iterate",
     "krylovjax._arnoldi",
     "krylovjax._lanczos",

@@ -4,8 +4,11 @@
 - [`krylovjax.nn.StateSpaceConv`][]: a dense linear state-space sequence layer.
 - [`krylovjax.nn.KrylovGraphConv`][]: a polynomial graph filter, with
   [`krylovjax.nn.normalise_adjacency`][].
+- [`krylovjax.nn.ChebGraphConv`][]: the Chebyshev spectral graph convolution of
+  PyTorch Geometric's `ChebConv`.
 """
 
+from ._cheb_conv import ChebGraphConv as ChebGraphConv
 from ._graph_conv import (
     KrylovGraphConv as KrylovGraphConv,
     normalise_adjacency as normalise_adjacency,
@@ -14,6 +17,7 @@ from ._linear_dynamics import LinearDynamics as LinearDynamics
 from ._state_space import StateSpaceConv as StateSpaceConv
 
 __all__ = [
+    "ChebGraphConv",
     "KrylovGraphConv",
     "LinearDynamics",
     "StateSpaceConv",
