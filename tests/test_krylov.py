@@ -32,7 +32,7 @@ N, D = 5, 4
 
 
 # Every dtype once, the layouts in turn (doubling's values in every dtype are in
-# test_doubling.py::test_values_dense).
+# test_doubling.py::test_values).
 @pytest.mark.parametrize(
     "method, dtype, layout",
     [
@@ -304,7 +304,7 @@ def test_grads_finite_differences(method, kind, adjoint):
     check_grads(f, (params, x0), order=1, modes=MODES[adjoint])
 
 
-# Doubling's is test_doubling.py::test_grads_finite_differences_complex.
+# Doubling's is test_doubling.py::test_grads_finite_differences (its complex case).
 @pytest.mark.parametrize(
     "method, adjoint", [("scan", "custom_vjp"), ("scan", "custom_jvp")]
 )
