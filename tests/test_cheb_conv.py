@@ -115,7 +115,7 @@ def _against_pyg(normalization):
 
         def layer(conv, x, data, lam):
             A = sparse.BCOO((data, bcoo.indices), shape=bcoo.shape)
-            return conv(x, A, lambda_max=lam)
+            return conv(A, x, lambda_max=lam)
 
         def pyg(weight, bias, x, w, lam):
             return pyg_cheb_conv(x, w, weight, bias, normalization, lam)
@@ -124,7 +124,7 @@ def _against_pyg(normalization):
         ref, ref_vjp = jax.vjp(pyg, conv.weight, conv.bias, x, weights, lam)
         g_conv, *grads = vjp(cotangent)
         return {
-            "default": conv(x, dense),
+            "default": conv(dense, x),
             "default_ref": pyg(conv.weight, conv.bias, x, weights, 2.0),
             "out": out,
             "ref": ref,
@@ -167,7 +167,7 @@ def test_gradients_match_pyg(normalization):
 def test_single_polynomial_is_a_linear_layer():
     conv, x = _layer(K=1)
     _, bcoo = _adjacencies(jnp.asarray(WEIGHTS))
-    out = jax.jit(lambda c, x, a: c(x, a))(conv, x, bcoo)
+    out = jax.jit(lambda c, a, x: c(a, x))(conv, bcoo, x)
     _close(out, x @ conv.weight[0] + conv.bias[None, :], rtol=1e-12)
 
 
@@ -179,7 +179,7 @@ def test_gradients_match_finite_differences():
     @jax.jit
     def f(weight, bias, x, data):
         layer = eqx.tree_at(lambda c: (c.weight, c.bias), conv, (weight, bias))
-        return layer(x, sparse.BCOO((data, indices), shape=(3, 3)), lambda_max=1.8)
+        return layer(sparse.BCOO((data, indices), shape=(3, 3)), x, lambda_max=1.8)
 
     x = jr.normal(jr.key(2), (3, 2))
     data = jnp.array([1.0, 1.0, 0.5, 2.0])
@@ -196,7 +196,7 @@ def test_adam_steps_reduce_a_loss():
     @jax.jit
     def step(conv, state):
         def loss(conv):
-            return jnp.mean((conv(x, bcoo) - target) ** 2)
+            return jnp.mean((conv(bcoo, x) - target) ** 2)
 
         value, grad = jax.value_and_grad(loss)(conv)
         # optax mixes its int32 step count with floats, which strict promotion
@@ -227,7 +227,7 @@ def test_errors():
     with pytest.raises(
         ValueError, match=r"`ChebGraphConv\.__call__\(X=\.\.\.\)`.*\(N, 2\).*\(5, 3\)"
     ):
-        conv(jnp.ones((N, 3)), dense)
+        conv(dense, jnp.ones((N, 3)))
     with pytest.raises(ValueError, match=r"`ChebGraphConv\(K=\.\.\.\)`.*>= 1.*got 0"):
         ChebGraphConv(2, 3, 0, key=jr.key(0))
     with pytest.raises(
@@ -243,8 +243,8 @@ def test_errors():
             match=r"`ChebGraphConv\.__call__\(adjacency=\.\.\.\)` must have shape "
             r"\(5, 5\) to match `X` of shape \(5, 2\); got shape \(4, 4\)",
         ):
-            unchecked(conv)(jnp.ones((N, 2)), adjacency)
+            unchecked(conv)(adjacency, jnp.ones((N, 2)))
     with pytest.raises(
         ValueError, match=r"`ChebGraphConv\.__call__\(lambda_max=\.\.\.\)`.*> 0.*got 0"
     ):
-        conv(jnp.ones((N, 2)), dense, lambda_max=0.0)
+        conv(dense, jnp.ones((N, 2)), lambda_max=0.0)

@@ -200,12 +200,12 @@ class ChebGraphConv(eqx.Module):
         >>> edge_index = jnp.array([[0, 1, 1, 2], [1, 0, 2, 1]])  # a path 0 - 1 - 2
         >>> A = sparse.BCOO((jnp.ones(4), edge_index.T), shape=(3, 3))
         >>> conv = ChebGraphConv(2, 4, 3, key=jax.random.key(0))
-        >>> apply = jax.jit(lambda conv, X, A: conv(X, A, lambda_max=1.5))
+        >>> apply = jax.jit(lambda conv, A, X: conv(A, X, lambda_max=1.5))
         >>> X = jnp.ones((3, 2))
-        >>> Y = apply(conv, X, A)
+        >>> Y = apply(conv, A, X)
         >>> Y.shape
         (3, 4)
-        >>> bool(jnp.allclose(Y, apply(conv, X, A.todense())))  # the same, dense
+        >>> bool(jnp.allclose(Y, apply(conv, A.todense(), X)))  # the same, dense
         True
 
         ```
@@ -263,16 +263,14 @@ class ChebGraphConv(eqx.Module):
 
     def __call__(
         self,
-        X: Shaped[ArrayLike, "N f_in"] | list | tuple,
         adjacency: Shaped[ArrayLike, "N N"] | Shaped[sparse.BCOO, "N N"] | list | tuple,
+        X: Shaped[ArrayLike, "N f_in"] | list | tuple,
         *,
         lambda_max: RealScalar = 2.0,
         key: PRNGKeyArray | None = None,
     ) -> Float[Array, "N f_out"]:
         r"""**Arguments:**
 
-        - `X`: the node features, shape `(N, in_features)`. $N = 0$ (an empty
-            graph) is allowed.
         - `adjacency`: the weighted adjacency matrix $A$, shape `(N, N)`, with
             $A_{ij}$ the weight of the edge from node $i$ to node $j$: a dense array
             (or nested lists) or a two-dimensional `jax.experimental.sparse.BCOO`
@@ -281,6 +279,8 @@ class ChebGraphConv(eqx.Module):
             self-loops) is ignored, and so are BCOO padding entries (an index
             outside the matrix). The weights are meant to be non-negative; a
             negative degree gives `nan` with `"sym"`, as in PyG.
+        - `X`: the node features, shape `(N, in_features)`. $N = 0$ (an empty
+            graph) is allowed.
         - `lambda_max`: $\lambda_\max$, a real scalar (a Python number or a JAX
             array, traced ones included; it gets a gradient), default 2.0: an
             upper bound of the spectrum of the `"sym"` and `"rw"` Laplacians. A
