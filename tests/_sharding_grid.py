@@ -362,11 +362,15 @@ TARGETED = (
             strict=True,
         )
     ),
-    # A callable operator in the decompositions on an explicit mesh.
+    # A callable operator in the decompositions on an explicit mesh (a closure for
+    # the decompositions, a Module for the functions built on them).
     *(
         _cell(function, "explicit", operator, "rows", x0)
-        for function in ("arnoldi", "lanczos", "funm_action", "trace_funm")
-        for operator, x0 in (("closure", "rows"), ("module", "replicated"))
+        for functions, operator, x0 in (
+            (("arnoldi", "lanczos"), "closure", "rows"),
+            (("funm_action", "trace_funm"), "module", "replicated"),
+        )
+        for function in functions
     ),
     # A block split by rows (`"block_rows"`, `P("x", None)`, beyond the grid's x0
     # layouts): the graph layout, stored entries and node features split by rows,
