@@ -88,8 +88,8 @@ is the `TARGETED` cells (output shardings, doubling's two reverse-pass schemes,
 arrays placed on no mesh, layouts that once failed) and, added greedily and
 deterministically (`cover`), cells until every pair of values of two of the five
 dimensions and the context occurs, and every option's value with every mesh type
-(`krylov`'s and `iterate`'s options with every dimension). `--targeted` runs the
-`TARGETED` cells alone.
+(`krylov`'s and `iterate`'s options with every dimension). The test suite runs
+the `TARGETED` cells alone (`--targeted`).
 
 Sizes are tiny (`N`, `D`, `B`): a cell costs its compilation, which is why the
 programs are compiled with most XLA optimisations off (a fifth faster), the
