@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
+from jax.experimental import sparse
 from jaxtyping import Array
 
 
@@ -281,5 +282,77 @@ def check_bcoo_matrix(A: Any, arg: str) -> None:
         msg = (
             f"`{arg}` must be a BCOO matrix with n_batch=0 and n_dense=0; got "
             f"n_batch={A.n_batch} and n_dense={A.n_dense}."
+        )
+        raise ValueError(msg)
+
+
+def _describe(x: Any) -> str:
+    kind = f"an object of type {type(x).__name__}"
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{kind} with shape {tuple(x.shape)} and dtype {x.dtype}"
+    return kind
+
+
+def check_operator_type(A: Any, arg: str) -> None:
+    """Raise a `TypeError` naming `arg` unless `A` is a dense array, a BCOO matrix or
+    a callable; for a sparse or masked type that is not taken, say how to convert
+    it."""
+    hint = _unsupported(A)
+    if hint is None and (
+        isinstance(A, sparse.BCOO | jax.Array) or is_numpy_array(A) or callable(A)
+    ):
+        return
+    got = hint if hint is not None else f"{_describe(A)}."
+    msg = (
+        f"`{arg}` must be a square array, a `jax.experimental.sparse.BCOO` matrix or "
+        f"a callable; got {got}"
+    )
+    raise TypeError(msg)
+
+
+def _unsupported(A: Any) -> str | None:
+    """Describe a matrix type that `krylov` does not take, and how to convert it."""
+    kind = type(A).__name__
+    if type(A).__module__.startswith("scipy.sparse"):
+        return (
+            f"a SciPy sparse matrix of type {kind}. Convert it with "
+            f"`jax.experimental.sparse.BCOO.from_scipy_sparse(A)`."
+        )
+    if isinstance(A, sparse.BCSR):
+        return "a `jax.experimental.sparse.BCSR` matrix. Convert it with `A.to_bcoo()`."
+    if isinstance(A, sparse.JAXSparse) and not isinstance(A, sparse.BCOO):
+        return (
+            f"a `jax.experimental.sparse` matrix of type {kind}. Convert it with "
+            f"`jax.experimental.sparse.BCOO.fromdense(A.todense())`."
+        )
+    if isinstance(A, np.ma.MaskedArray):
+        return (
+            "a NumPy masked array, whose masked entries have no value to use. Fill "
+            "them explicitly, e.g. `np.ma.filled(A, 0)` for a matrix that is zero "
+            "there."
+        )
+    return None
+
+
+def is_numpy_array(A: Any) -> bool:
+    return type(A).__module__ == "numpy" and hasattr(A, "shape")
+
+
+def check_matrix_shape(
+    shape: tuple[int, ...], x0: Array, fn_name: str, vector: str
+) -> None:
+    if len(shape) != 2 or shape[0] != shape[1]:
+        msg = f"`{fn_name}(A=...)` must be a square matrix; got shape {tuple(shape)}."
+        raise ValueError(msg)
+    if x0.ndim not in (1, 2):
+        msg = (
+            f"`{fn_name}({vector}=...)` must have shape (n,) or (n, b) when `A` is a "
+            f"matrix; got shape {x0.shape}."
+        )
+        raise ValueError(msg)
+    if x0.shape[0] != shape[0]:
+        msg = (
+            f"`{fn_name}({vector}=...)` must have first axis of length {shape[0]} to "
+            f"match `A` of shape {tuple(shape)}; got shape {x0.shape}."
         )
         raise ValueError(msg)

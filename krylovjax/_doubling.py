@@ -69,12 +69,13 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Inexact
 
 from ._operator import AbstractOperator, DenseOperator
+from ._rules import reverse_rule
+from ._sharding import is_explicit
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -291,38 +292,26 @@ def _suffix_scan_hillis_steele(matrix: Array, g: Array) -> Array:
     return lam
 
 
-@eqx.filter_custom_vjp
-def _doubling_columns(vjp_arg: tuple[AbstractOperator, Array], d: int) -> Array:
-    operator, x0 = vjp_arg
-    return _forward_columns(operator.as_matrix(), x0, d)
-
-
-@_doubling_columns.def_fwd
-def _doubling_fwd(perturbed, vjp_arg, d):
-    del perturbed
-    xs = _doubling_columns.fn(vjp_arg, d)
-    return xs, xs
-
-
-@_doubling_columns.def_bwd
-def _doubling_bwd(xs, g, perturbed, vjp_arg, d):
-    operator, _ = vjp_arg
-    operator_perturbed, _ = perturbed
-    if g is None:
-        g = jnp.zeros_like(xs)
-    matrix_grad = any(jtu.tree_leaves(operator_perturbed))
+def _doubling_adjoint(operator, x0, xs, g, matrix_grad, d):
+    del x0, d
     matrix = operator.as_matrix()
     grad_x0, grad_matrix = adjoint_doubling(matrix, xs, g, matrix_grad)
+    if not matrix_grad:
+        return None, grad_x0
+    # Through `as_matrix`: the matrix itself, for a BCOO matrix its stored values
+    # (the dense gradient sampled at the stored indices), for a callable the
+    # arrays it holds.
     diff, static = eqx.partition(operator, eqx.is_inexact_array)
-    if matrix_grad:
-        # Through `as_matrix`: the matrix itself, for a BCOO matrix its stored
-        # values (the dense gradient sampled at the stored indices), for a callable
-        # the arrays it holds.
-        _, vjp = jax.vjp(lambda diff: eqx.combine(diff, static).as_matrix(), diff)
-        (grad_operator,) = vjp(grad_matrix)
-    else:
-        grad_operator = jtu.tree_map(lambda _: None, diff)
+    _, vjp = jax.vjp(lambda diff: eqx.combine(diff, static).as_matrix(), diff)
+    (grad_operator,) = vjp(grad_matrix)
     return grad_operator, grad_x0
+
+
+# Doubling's columns `(n, d, *b)` with its own reverse pass (`adjoint_doubling`).
+_doubling_columns = reverse_rule(
+    lambda operator, x0, d: _forward_columns(operator.as_matrix(), x0, d),
+    _doubling_adjoint,
+)
 
 
 # ------------------------------------------------------------------ the builders
@@ -341,7 +330,7 @@ def _doubling(columns):
             # On an explicit mesh a split axis cannot be flattened: x0 is gathered
             # first (the matrix is replicated too), the stack split like x0 after.
             sharding = jax.typeof(x0).sharding
-            explicit = jax.sharding.AxisType.Explicit in sharding.mesh.axis_types
+            explicit = is_explicit(x0)
             if explicit:
                 x0 = jax.sharding.reshard(x0, sharding.update(spec=P()))
             xs = columns(operator, x0.reshape(n, 1), d).T.reshape(d, *x0.shape)
@@ -360,7 +349,7 @@ def _autodiff_columns(operator: AbstractOperator, x0: Array, d: int) -> Array:
 
 
 def _custom_vjp_columns(operator: AbstractOperator, x0: Array, d: int) -> Array:
-    return _doubling_columns((operator, x0), d)
+    return _doubling_columns(operator, x0, d)
 
 
 # Doubling differentiated by JAX.

@@ -67,12 +67,13 @@ from ._checks import (
     check_choice,
     check_depth,
     check_inexact,
+    check_operator_type,
     check_size,
     standard_result_type,
 )
 from ._expansion import chebyshev_action
 from ._lanczos import lanczos_in_working_dtype
-from ._operator import check_operator_type, closure_convert
+from ._operator import closure_convert
 from ._orthogonal import Adjoint, check_problem, working_dtype
 from ._typing import OperatorLike, StaticInt
 

@@ -34,15 +34,10 @@ import jax.tree_util as jtu
 from jax import lax
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
-from ._operator import (
-    any_unplaced,
-    closure_convert,
-    convert_callable,
-    explicit_mesh,
-    on_common_mesh,
-    typed_like,
-)
+from ._operator import closure_convert, convert_callable
+from ._rules import cotangent_like, reverse_rule
 from ._sequence import ADJOINTS, Adjoint, trajectory, with_first
+from ._sharding import any_unplaced, explicit_mesh, on_common_mesh, typed_like
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 from ._typing import StaticInt
 
@@ -124,7 +119,7 @@ def iterate(
     if d == 1:
         return jtu.tree_map(lambda x: x[None], x0)
     if adjoint == "custom_vjp":
-        return _iterate_custom_vjp((step, x0), d)
+        return _iterate_custom_vjp(step, x0, d)
     if adjoint == "custom_jvp":
         return _iterate_custom_jvp(step, x0, d=d)
     return iterate_scan(step, x0, d)
@@ -183,35 +178,13 @@ def iterate_scan(step: Any, x0: Any, d: int) -> Any:
     return with_first(x0, trajectory(step, x0, d - 1))
 
 
-@eqx.filter_custom_vjp
-def _iterate_custom_vjp(vjp_arg, d):
-    step, x0 = vjp_arg
-    return iterate_scan(step, x0, d)
+def _iterate_adjoint(step, x0, xs, g, want_params, d):
+    del x0, d
+    return adjoint_states(step, xs, g, want_params)
 
 
-@_iterate_custom_vjp.def_fwd
-def _iterate_fwd(perturbed, vjp_arg, d):
-    del perturbed
-    xs = _iterate_custom_vjp.fn(vjp_arg, d)
-    return xs, xs
-
-
-@_iterate_custom_vjp.def_bwd
-def _iterate_bwd(xs, g, perturbed, vjp_arg, d):
-    step, _ = vjp_arg
-    step_perturbed, _ = perturbed
-    g = jtu.tree_map(
-        # A `None` in the state is no array and has no cotangent: it stays `None`.
-        lambda x, gx: None if x is None else jnp.zeros_like(x) if gx is None else gx,
-        xs,
-        g,
-        is_leaf=lambda v: v is None,
-    )
-    want_params = any(jtu.tree_leaves(step_perturbed))
-    grad_step, lam0 = adjoint_states(step, xs, g, want_params)
-    if not want_params:
-        grad_step = jtu.tree_map(lambda _: None, eqx.filter(step, eqx.is_inexact_array))
-    return grad_step, lam0
+# The same reverse pass as a `jax.custom_vjp` (reverse mode only).
+_iterate_custom_vjp = reverse_rule(iterate_scan, _iterate_adjoint)
 
 
 def adjoint_states(step: Any, xs: Any, g: Any, want_params: bool) -> tuple[Any, Any]:
@@ -223,10 +196,10 @@ def adjoint_states(step: Any, xs: Any, g: Any, want_params: bool) -> tuple[Any, 
     """
     d = jtu.tree_leaves(xs)[0].shape[0]
     diff, static = eqx.partition(step, eqx.is_inexact_array)
-    # The cotangent may arrive as NumPy arrays (`vjp_fn(np.ones(...))`), which
-    # cannot be indexed by the traced step counter below.
-    # On an explicit mesh the adjoint carry is typed like the states.
-    g = jtu.tree_map(lambda gx, x: typed_like(jnp.asarray(gx), x), g, xs)
+    # A NumPy cotangent (`vjp_fn(np.ones(...))`) cannot be indexed by the traced
+    # step counter below; on an explicit mesh the adjoint carry is typed like the
+    # states.
+    g = cotangent_like(g, xs)
 
     def body(carry, k):
         lam_next, acc = carry

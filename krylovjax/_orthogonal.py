@@ -84,8 +84,9 @@ from ._operator import (
     FunctionOperator,
     SparseOperator,
     as_operator,
-    explicit_mesh,
 )
+from ._rules import cotangent_like, fold_batch, tangent_or_none
+from ._sharding import explicit_mesh
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
 # The derivative rules `arnoldi` and `lanczos` offer, by their `adjoint=` names.
@@ -527,8 +528,7 @@ def derivative_rule(
 
     def transpose(inputs, ct):
         operator, out, t_operator, t_x0, reorth, batched = inputs
-        # The cotangent may arrive as NumPy arrays (`vjp_fn(np.ones(...))`).
-        ct = jtu.tree_map(jnp.asarray, ct)
+        ct = cotangent_like(ct, out)
 
         def one(out, ct):
             return adjoint(operator, out, ct, reorth)
@@ -547,19 +547,12 @@ def derivative_rule(
         op_axes, out_axes, t_op_axes, t_x0_axis, _, _ = axes
         if batched or any(a is not None for a in jtu.tree_leaves((op_axes, t_op_axes))):
             return None
-        flat = jtu.tree_leaves(out_axes, is_leaf=lambda a: a is None) + [t_x0_axis]
-        flat_values = jtu.tree_leaves(out) + [t_x0]
-        size = next(
-            x.shape[a] for x, a in zip(flat_values, flat, strict=True) if a is not None
+        leaves, treedef = jtu.tree_flatten(out)
+        out_axes = treedef.flatten_up_to(out_axes)
+        *leaves, t_x0 = fold_batch(
+            (*leaves, t_x0), (*out_axes, t_x0_axis), (0,) * (len(leaves) + 1)
         )
-
-        def leading(axis, x):
-            if axis is None:
-                return jnp.broadcast_to(x[None], (size, *x.shape))
-            return jnp.moveaxis(x, axis, 0)
-
-        out = jtu.tree_map(leading, out_axes, out, is_leaf=lambda a: a is None)
-        t_x0 = leading(t_x0_axis, t_x0)
+        out = treedef.unflatten(leaves)
         return bind(operator, out, t_operator, t_x0, reorth, True), 0
 
     primitive = tangent_primitive(f"{name}_tangent", impl, transpose, 1, batch)
@@ -574,8 +567,7 @@ def derivative_rule(
         t_operator, t_x0 = tangents
         out = forward(operator, x0, d, reorth)
         t_x0 = jnp.zeros_like(x0) if t_x0 is None else t_x0
-        if t_operator is not None and not jtu.tree_leaves(t_operator):
-            t_operator = None
+        t_operator = tangent_or_none(t_operator)
         return out, primitive(operator, out, t_operator, t_x0, reorth, False)
 
     def build(operator, x0, d, reorth):

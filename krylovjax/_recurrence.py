@@ -44,8 +44,11 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array
 
-from ._operator import AbstractOperator, SparseOperator, typed_like
+from ._chunks import add_param_vjp, chunk_steps
+from ._operator import AbstractOperator, SparseOperator
+from ._rules import tangent_or_none
 from ._sequence import with_first
+from ._sharding import typed_like
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
 # How many steps of the reverse pass share one batched product for the gradient of
@@ -53,14 +56,8 @@ from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 # cotangent and the slice of stored vectors it reads: 3 * 16 = 48 vectors, beside
 # a residual of d vectors where autodiff through the scan keeps two per step.
 CHUNK = 16
-# ... and no more than this many numbers (very wide vectors: few per chunk).
-CHUNK_ELEMENTS = 2**22
 
 Coefficients = tuple[Array, Array, Array]
-
-
-def _chunk_steps(x0: Array) -> int:
-    return max(1, min(CHUNK, CHUNK_ELEMENTS // max(1, x0.size)))
 
 
 def _dot(x: Array, y: Array) -> Array:
@@ -165,10 +162,10 @@ def adjoint_rows(
             transpose, g_rows, x_rows, a_rows, b_rows, cn_rows, carry, want_operator
         )
         if grad is not None and w is not None:
-            grad = operator.add_param_vjp(grad, stored, start - 1, w)
+            grad = add_param_vjp(operator, grad, stored, start - 1, w)
         return carry, grad, dots
 
-    size = min(_chunk_steps(x0), max(rows, 1))
+    size = min(chunk_steps(x0, CHUNK), max(rows, 1))
     full, rest = divmod(rows, size)
     parts = []
     if rest:
@@ -190,7 +187,7 @@ def adjoint_rows(
     u = transpose.mv(lam1)
     ct_x0 = typed_like(a[0] * u + b[0] * lam1 - cn[0] * lam2, x0)
     if grad is not None:
-        grad = operator.add_param_vjp(grad, x0[None], 0, (a[0] * lam1)[None])
+        grad = add_param_vjp(operator, grad, x0[None], 0, (a[0] * lam1)[None])
     first = (_dot(u, x0), _dot(lam1, x0), -_dot(lam2, x0))
     # Steps in order: 0, the chunks from the bottom up, then the rest at the top.
     da, db, dcn = (
@@ -317,8 +314,7 @@ def _recurrence_jvp(primals, tangents, *, d):
     last = _step(operator, x_prev, x, *(coef[d - 2] for coef in coefficients))
     tail = jnp.concatenate([stored, last[None]])
     t_x0 = jnp.zeros_like(x0) if t_x0 is None else t_x0
-    if t_operator is not None and not jtu.tree_leaves(t_operator):
-        t_operator = None
+    t_operator = tangent_or_none(t_operator)
     if t_coefficients is None:
         t_coefficients = (None, None, None)
     t_tail = recurrence_tangent(

@@ -11,7 +11,7 @@ $$\lambda_{d-1} = g_{d-1}, \qquad \lambda_i = g_i + A^\top \lambda_{i+1},$$
 and then the gradient of $x_0$ is $\lambda_0$ and the gradient of $A$ is
 $\sum_{i=1}^{d-1} \lambda_i x_{i-1}^\top$. `adjoint_chunks` solves the recurrence
 backwards by one reverse `lax.scan` over chunks of $k$ steps (the operator
-chooses $k$: `AbstractOperator.gradient_chunk`): each chunk's slice of the
+chooses $k$: `_chunks.gradient_chunk`): each chunk's slice of the
 cotangent is copied once and its adjoint vectors overwrite it, row by row, so one
 buffer of $k$ rows holds both; the chunk's share of the
 operator's gradient is one batched product with the matching stored vectors (a
@@ -50,35 +50,27 @@ mode only.
 """
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array
 
-from ._operator import (
-    CHUNK,
-    AbstractOperator,
+from ._chunks import (
     BatchedOperator,
-    DenseOperator,
     DenseRowsOperator,
-    typed_like,
+    add_param_vjp,
+    chunk_steps,
+    gradient_chunk,
+    mv_add,
 )
+from ._operator import AbstractOperator, DenseOperator
+from ._rules import fold_batch, reverse_rule, tangent_or_none
 from ._sequence import trajectory, with_first
+from ._sharding import is_split, typed_like
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
-# How many adjoint (or tangent) vectors a derivative pass keeps at once: `most`
-# (`CHUNK` for the tangents; the reverse pass asks the operator, see
-# `AbstractOperator.gradient_chunk`), but no more than `CHUNK_ELEMENTS` numbers, so
-# that a chunk of very wide vectors (the node features of a large graph) holds few
-# of them.
-CHUNK_ELEMENTS = 2**22
 # Up to this many steps, the reverse pass runs its chunks without a loop.
 UNROLLED_STEPS = 16
-
-
-def _chunk_steps(x0: Array, most: int = CHUNK) -> int:
-    return max(1, min(most, CHUNK_ELEMENTS // max(1, x0.size)))
 
 
 def krylov_scan(operator: AbstractOperator, x0: Array, d: int) -> Array:
@@ -138,9 +130,7 @@ def _zero_after(y: Array, dtype) -> Array:
     entry is replaced first, so that no `0 * inf` makes a NaN). XLA keeps it: it
     does not fold `x * 0` for floating-point `x`, and it removes optimisation
     barriers before scheduling."""
-    sharding = jax.typeof(y).sharding
-    explicit = jax.sharding.AxisType.Explicit in sharding.mesh.axis_types
-    if y.size == 0 or (explicit and any(p is not None for p in sharding.spec)):
+    if y.size == 0 or is_split(y):
         # Nothing to read; or one entry of an array sharded on an explicit mesh,
         # which cannot be sliced out (and would cost a collective): no tie.
         return jnp.zeros((), dtype)
@@ -177,7 +167,7 @@ def adjoint_chunks(
     transpose = operator.transpose()
 
     def step(lam_next, g_i):
-        return typed_like(transpose.mv_add(lam_next, g_i), lam_next)
+        return typed_like(mv_add(transpose, lam_next, g_i), lam_next)
 
     # Outside the loops (wide vectors, the last rows), each cotangent row the
     # product adds into is tied to the vector before it (`_zero_after`), and the
@@ -246,10 +236,10 @@ def adjoint_chunks(
         lam_next, lams = reverse(lam_next, g_rows, valid)
         if want_operator:
             assert acc is not None and lams is not None
-            acc = operator.add_param_vjp(acc, tail, start - 1, lams)
+            acc = add_param_vjp(operator, acc, tail, start - 1, lams)
         return lam_next, acc
 
-    most = chunk or _chunk_steps(x0, operator.gradient_chunk(x0.size))
+    most = chunk or chunk_steps(x0, gradient_chunk(operator, x0.size))
     # `None` until the first row is done: lambda_(d-1) = g_(d-1).
     lam_next = None
     grad = _inexact_zeros(operator) if want_operator else None
@@ -285,44 +275,26 @@ def adjoint_chunks(
     lam1 = typed_like(lam1, x0)
     if want_operator:
         assert grad is not None
-        grad = operator.add_param_vjp(grad, x0[None], 0, lam1[None])
+        grad = add_param_vjp(operator, grad, x0[None], 0, lam1[None])
     # The transpose that served every step serves x0 too, adding into zeros
     # tied to lam_1 like the rows above.
     return tied_step(lam1, jnp.zeros_like(x0)), grad
 
 
-@eqx.filter_custom_vjp
-def krylov_tail_custom_vjp(vjp_arg: tuple[AbstractOperator, Array], d: int) -> Array:
-    # The rule covers x_1, ..., x_(d-1); x0 goes in front outside of it (see
-    # `_sequence.py`).
-    operator, x0 = vjp_arg
-    return krylov_tail(operator, x0, d - 1)
+def _krylov_adjoint(operator, x0, tail, g_tail, want_operator, d):
+    del d
+    return adjoint_chunks(operator, x0, tail, g_tail, want_operator)[::-1]
 
 
-@krylov_tail_custom_vjp.def_fwd
-def _krylov_fwd(perturbed, vjp_arg, d):
-    del perturbed
-    tail = krylov_tail_custom_vjp.fn(vjp_arg, d)
-    return tail, tail
-
-
-@krylov_tail_custom_vjp.def_bwd
-def _krylov_bwd(tail, g_tail, perturbed, vjp_arg, d):
-    operator, x0 = vjp_arg
-    operator_perturbed, _ = perturbed
-    # The cotangent may arrive as a NumPy array (`vjp_fn(np.ones(...))`).
-    g_tail = jnp.zeros_like(tail) if g_tail is None else jnp.asarray(g_tail)
-    want_operator = bool(jtu.tree_leaves(operator_perturbed))
-    grad_x0, grad_operator = adjoint_chunks(operator, x0, tail, g_tail, want_operator)
-    if not want_operator:
-        grad_operator = jtu.tree_map(
-            lambda _: None, eqx.filter(operator, eqx.is_inexact_array)
-        )
-    return grad_operator, grad_x0
+# The reverse pass as a `jax.custom_vjp` of the steps: x0 goes in front outside
+# of it (see `_sequence.py`).
+_krylov_tail_custom_vjp = reverse_rule(
+    lambda operator, x0, d: krylov_tail(operator, x0, d - 1), _krylov_adjoint
+)
 
 
 def _krylov_custom_vjp(operator: AbstractOperator, x0: Array, d: int) -> Array:
-    return with_first(x0, krylov_tail_custom_vjp((operator, x0), d))
+    return with_first(x0, _krylov_tail_custom_vjp(operator, x0, d))
 
 
 # ------------------------------------------------------------ forward mode
@@ -362,7 +334,7 @@ def tangent_chunks(
     # Step 0 uses x0; steps 1 .. steps - 1 use the stored vectors one row up.
     t, first = forward(t_x0, x0[None])
     parts = [first]
-    size, full, rest = _chunks(steps, chunk or _chunk_steps(x0))
+    size, full, rest = _chunks(steps, chunk or chunk_steps(x0))
     if full:
 
         def chunk_step(t, c):
@@ -396,27 +368,11 @@ def _tangent_batch(bind, args, axes):
     op_axes, x0_axis, tail_axis, t_op_axes, t_x0_axis = axes
     if any(a is not None for a in jtu.tree_leaves((op_axes, t_op_axes))):
         return None
-    size = next(
-        x.shape[a]
-        for x, a in ((x0, x0_axis), (tail, tail_axis), (t_x0, t_x0_axis))
-        if a is not None
+    x0, tail, t_x0 = fold_batch(
+        (x0, tail, t_x0), (x0_axis, tail_axis, t_x0_axis), (0, 1, 0)
     )
-
-    def batched(x, axis, at):
-        if axis is None:
-            return jnp.broadcast_to(
-                jnp.expand_dims(x, at), (*x.shape[:at], size, *x.shape[at:])
-            )
-        return jnp.moveaxis(x, axis, at)
-
     t_operator = None if t_operator is None else BatchedOperator(t_operator)
-    out = bind(
-        BatchedOperator(operator),
-        batched(x0, x0_axis, 0),
-        batched(tail, tail_axis, 1),
-        t_operator,
-        batched(t_x0, t_x0_axis, 0),
-    )
+    out = bind(BatchedOperator(operator), x0, tail, t_operator, t_x0)
     return out, 1
 
 
@@ -468,8 +424,7 @@ def _krylov_jvp(primals, tangents, *, d):
     last = typed_like(operator.mv(before_last), before_last)
     tail = jnp.concatenate([stored, last[None]])
     t_x0 = jnp.zeros_like(x0) if t_x0 is None else t_x0
-    if t_operator is not None and not jtu.tree_leaves(t_operator):
-        t_operator = None
+    t_operator = tangent_or_none(t_operator)
     t_tail = krylov_tangent(operator, x0, stored, t_operator, t_x0)
     return with_first(x0, tail), with_first(t_x0, t_tail)
 

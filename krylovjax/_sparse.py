@@ -52,13 +52,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.core import Tracer
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental import sparse
 from jax.interpreters import batching
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard
+from jax.sharding import NamedSharding, PartitionSpec as P, reshard
 from jaxtyping import Array, Int, Shaped
 
+from ._rules import fold_batch
+from ._sharding import explicit_mesh
 from ._tangent import is_tangent, nones, tangent_primitive
 
 # How many numbers one chunk of a product gathers: 2**20 (4 MB in float32).
@@ -110,25 +111,6 @@ def _take(x, i):
     return x.at[i].get(mode="promise_in_bounds", wrap_negative_indices=False)
 
 
-def _explicit_mesh(*arrays):
-    """The mesh if any of `arrays` is sharded on an `Explicit` mesh, else `None`.
-
-    There the sharding is part of an array's type, and the gathers and scatters of a
-    product cannot infer theirs; `jax.shard_map` states them instead. On an `Auto`
-    mesh, or on one device, XLA's partitioner places the product itself. A concrete
-    array gives its concrete mesh, which an eager `reshard` needs.
-    """
-    for a in arrays:
-        sharding = jax.typeof(a).sharding
-        explicit = AxisType.Explicit in sharding.mesh.axis_types
-        if explicit and any(p is not None for p in sharding.spec):
-            concrete = isinstance(a, jax.Array) and not isinstance(a, Tracer)
-            if concrete and isinstance(a.sharding, NamedSharding):
-                return a.sharding.mesh
-            return sharding.mesh
-    return None
-
-
 def _on(mesh, x, spec: P):
     """`x` resharded to `spec` on `mesh`: named with its mesh, so that it needs no
     `jax.set_mesh` around the call (arrays placed on a mesh, called outside it)."""
@@ -154,7 +136,7 @@ def spmv(
     entries, values `data` at `indices` `(row, column)`, a chunk of entries at a
     time. Duplicates add up and the order does not matter; `rows_sorted` (the
     output's rows in order) lets XLA write the output in order."""
-    mesh = _explicit_mesh(data, indices, x)
+    mesh = explicit_mesh(data, indices, x, split=True)
     if mesh is None:
         return _spmv_local(data, indices, x, n_out, transposed, rows_sorted)
     # One device's share of the entries, against all of `x`: an all-gather of `x`,
@@ -266,15 +248,11 @@ def _tangent_batch(bind, args, axes):
     data_axis, indices_axis, x_axis, t_data_axis, t_x_axis, _ = axes
     if any(a is not None for a in (data_axis, indices_axis, t_data_axis)):
         return None
-    size = x.shape[x_axis] if x_axis is not None else t_x.shape[t_x_axis]
-
-    def as_columns(v, axis):
-        if axis is None:
-            return jnp.broadcast_to(v[:, None], (v.shape[0], size, *v.shape[1:]))
-        return jnp.moveaxis(v, axis, 1)
-
-    t_x = None if t_x is None else as_columns(t_x, t_x_axis)
-    return bind(data, indices, as_columns(x, x_axis), t_data, t_x, static), 1
+    if t_x is None:
+        (x,) = fold_batch((x,), (x_axis,), (1,))
+    else:
+        x, t_x = fold_batch((x, t_x), (x_axis, t_x_axis), (1, 1))
+    return bind(data, indices, x, t_data, t_x, static), 1
 
 
 # Arguments: (data, indices, x, t_data, t_x, static); the tangent is like `x` (the
@@ -310,7 +288,7 @@ def spmv_add(
     r"""$y + A x$ (or $y + A^\top x$), scatter-added into `y` itself: no array of
     zeros to start from and no separate sum (a step of the reverse pass,
     $\lambda_i = g_i + A^\top \lambda_{i+1}$, is one call)."""
-    if _explicit_mesh(data, indices, x, y) is not None:
+    if explicit_mesh(data, indices, x, y, split=True) is not None:
         return y + spmv(data, indices, x, n_out, transposed, rows_sorted)
     return _spmv_local(data, indices, x, n_out, transposed, rows_sorted, init=y)
 
@@ -344,7 +322,7 @@ def add_sampled(
     A chunk of entries at a time, reading the `k` vectors of `cts` and of `stored`
     only at the chunk's rows and columns (`stored` is never sliced or copied).
     """
-    mesh = _explicit_mesh(acc, indices, cts, stored)
+    mesh = explicit_mesh(acc, indices, cts, stored, split=True)
     if mesh is None:
         return _add_sampled_local(acc, indices, transposed, cts, stored, first_step)
     # Each device sums over its share of the entries, against all of the `k`

@@ -17,7 +17,6 @@ everywhere (see [`krylovjax.nn.StateSpaceConv`][]).
 import math
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -25,6 +24,7 @@ from jaxtyping import Array, ArrayLike, DTypeLike, Float, Inexact, PRNGKeyArray,
 
 from .._checks import as_input, check_dtype, check_size
 from .._krylov import krylov
+from .._sharding import gathered
 from .._typing import StaticInt
 
 # The dtypes of `jnp.fft`'s real transforms, which the convolution uses.
@@ -195,7 +195,7 @@ class StateSpaceConv(eqx.Module):
         eye = jnp.eye(n, dtype=self.skew.dtype)
         # The (n, n) parameters are small: on an explicit mesh they are gathered,
         # as W - W^T of a split W would mix two layouts.
-        skew, damping = _unsplit(self.skew), _unsplit(self.damping)
+        skew, damping = gathered(self.skew), gathered(self.damping)
         a_c = skew - skew.T - damping @ damping.T - self.min_damping * eye
         step = jnp.exp(self.log_step)
         left = eye - 0.5 * step * a_c
@@ -273,7 +273,7 @@ class StateSpaceConv(eqx.Module):
         n_time = x.shape[0]
         # The FFT runs along time: on an explicit mesh an input split along time
         # is gathered along it (a split over channels stays).
-        x = _unsplit(x, axis=0)
+        x = gathered(x, axis=0)
         kernel = self.kernel(n_time)
         n_fft = 2 * n_time
         if jnp.issubdtype(x.dtype, jnp.complexfloating):
@@ -286,16 +286,3 @@ class StateSpaceConv(eqx.Module):
         kernel_f = fft(kernel, n=n_fft, axis=0).astype(x_f.dtype)
         y = ifft(jnp.einsum("foi,fi->fo", kernel_f, x_f), n=n_fft, axis=0)
         return y[:n_time] + x @ self.D.T.astype(x.dtype)
-
-
-def _unsplit(x: Array, axis: int | None = None) -> Array:
-    """`x` gathered along `axis` (every axis: `None`) on a mesh with `Explicit` axes;
-    unchanged elsewhere, where XLA places arrays itself."""
-    sharding = jax.typeof(x).sharding
-    if jax.sharding.AxisType.Explicit not in sharding.mesh.axis_types:
-        return x
-    spec = [*sharding.spec, *[None] * (x.ndim - len(sharding.spec))]
-    for i in range(x.ndim) if axis is None else (axis,):
-        spec[i] = None
-    new = sharding.update(spec=jax.sharding.PartitionSpec(*spec))
-    return x if new == sharding else jax.sharding.reshard(x, new)
