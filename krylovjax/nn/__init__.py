@@ -6,9 +6,12 @@
   [`krylovjax.nn.normalise_adjacency`][].
 - [`krylovjax.nn.ChebGraphConv`][]: the Chebyshev spectral graph convolution of
   PyTorch Geometric's `ChebConv`.
+- [`krylovjax.nn.ChebIIConv`][]: ChebNetII's propagation, a graph filter learnt
+  through its values at the Chebyshev nodes.
 """
 
 from ._cheb_conv import ChebGraphConv as ChebGraphConv
+from ._chebii_conv import ChebIIConv as ChebIIConv
 from ._graph_conv import (
     KrylovGraphConv as KrylovGraphConv,
     normalise_adjacency as normalise_adjacency,
@@ -18,6 +21,7 @@ from ._state_space import StateSpaceConv as StateSpaceConv
 
 __all__ = [
     "ChebGraphConv",
+    "ChebIIConv",
     "KrylovGraphConv",
     "LinearDynamics",
     "StateSpaceConv",
