@@ -283,7 +283,8 @@ def adjoint_chunks(
 
 def _krylov_adjoint(operator, x0, tail, g_tail, want_operator, d):
     del d
-    return adjoint_chunks(operator, x0, tail, g_tail, want_operator)[::-1]
+    grad_x0, grad_operator = adjoint_chunks(operator, x0, tail, g_tail, want_operator)
+    return grad_operator, grad_x0
 
 
 # The reverse pass as a `jax.custom_vjp` of the steps: x0 goes in front outside

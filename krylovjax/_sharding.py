@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jaxtyping import Array
 
 
 def _sharding_of(x: Any) -> Any:
@@ -75,7 +76,7 @@ def explicit_mesh(*trees: Any, split: bool = False) -> Any:
     return None
 
 
-def typed_like(y: Any, like: Any) -> Any:
+def typed_like(y: Array, like: Array) -> Array:
     """`y` with the sharding type of `like`; a no-op unless `like`'s mesh is
     `Explicit`.
 
@@ -99,7 +100,7 @@ def like_input(x: Any) -> Any:
     return jax.typeof(x).sharding if is_explicit(x) else None
 
 
-def gathered(x: Any, axis: int | None = None) -> Any:
+def gathered(x: Array, axis: int | None = None) -> Array:
     """`x` gathered along `axis` (every axis: `None`) on a mesh with `Explicit`
     axes (a reshape, say, cannot merge a split axis); unchanged elsewhere."""
     sharding = jax.typeof(x).sharding
