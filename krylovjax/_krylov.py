@@ -20,8 +20,13 @@ from ._bases import AbstractBasis
 from ._checks import as_array, check_choice, check_depth, check_output_size
 from ._doubling import choose_method, krylov_doubling, krylov_doubling_custom_vjp
 from ._operator import AbstractOperator, as_operator
-from ._recurrence import recurrence_custom_jvp, recurrence_scan
-from ._scan import krylov_custom_jvp, krylov_custom_vjp, krylov_scan
+from ._scan import (
+    basis_custom_jvp,
+    basis_scan,
+    krylov_custom_jvp,
+    krylov_custom_vjp,
+    krylov_scan,
+)
 from ._sequence import ADJOINTS, Adjoint
 from ._typing import OperatorLike, StaticInt
 
@@ -39,8 +44,8 @@ BUILDERS: dict[tuple[str, str], Callable[[AbstractOperator, Array, int], Array]]
 # adjoint -> builder of a polynomial basis (`basis=`), `(operator, x0,
 # coefficients, d)` -> the stack; the scan is its only method.
 BASIS_BUILDERS = {
-    "custom_jvp": recurrence_custom_jvp,
-    "autodiff": recurrence_scan,
+    "custom_jvp": basis_custom_jvp,
+    "autodiff": basis_scan,
 }
 # The rule each method uses when `adjoint=None`.
 DEFAULT_ADJOINT: dict[str, str] = {"scan": "custom_jvp", "doubling": "custom_vjp"}
