@@ -56,11 +56,10 @@ from ._init import uniform
 Normalization = Literal["sym", "rw"] | None
 
 
-def _check_normalization(value: Any) -> Normalization:
+def _check_normalization(value: Any, layer: str = "ChebGraphConv") -> Normalization:
     if value is not None and (not isinstance(value, str) or value not in ("sym", "rw")):
         msg = (
-            f"`ChebGraphConv(normalization=...)` must be 'sym', 'rw' or None; got "
-            f"{value!r}."
+            f"`{layer}(normalization=...)` must be 'sym', 'rw' or None; got {value!r}."
         )
         raise ValueError(msg)
     return value
@@ -72,10 +71,10 @@ def _check_real(x: Any, arg: str) -> None:
         raise TypeError(msg)
 
 
-def _check_lambda_max(value: Any) -> Array:
+def _check_lambda_max(value: Any, layer: str = "ChebGraphConv") -> Array:
     """`lambda_max` as a real scalar array; a concrete value must be finite and > 0
     (a traced one is not checked)."""
-    arg = "ChebGraphConv.__call__(lambda_max=...)"
+    arg = f"{layer}.__call__(lambda_max=...)"
     lam = real_scalar(value, arg)
     if not isinstance(lam, Tracer):
         concrete = np.asarray(lam)

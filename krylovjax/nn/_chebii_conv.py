@@ -33,17 +33,14 @@ discrete orthogonality $\sum_j T_k(x_j) = 0$, $1 \le k \le K$, gives
 $w = (2, 0, \dots, 0)$ and $Y = X$: the layer starts as the identity filter.
 """
 
-from typing import Any
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 from jax.experimental import sparse
 from jaxtyping import Array, ArrayLike, DTypeLike, Float, PRNGKeyArray, Shaped
 
-from .._bases import Chebyshev, RealScalar, real_scalar
+from .._bases import Chebyshev, RealScalar
 from .._checks import (
     as_input,
     check_allocation,
@@ -55,6 +52,8 @@ from .._krylov import krylov
 from .._typing import StaticInt
 from ._cheb_conv import (
     Normalization,
+    _check_lambda_max,
+    _check_normalization,
     _check_real,
     _dense_laplacian,
     _sparse_laplacian,
@@ -74,29 +73,6 @@ def _interpolation_matrix(K: int) -> np.ndarray:
     k = np.arange(K + 1)[:, None]
     scale = np.where(k == 0, 1.0, 2.0) / (K + 1)
     return scale * np.cos(k * _angles(K)[None, :])
-
-
-def _check_normalization(value: Any) -> Normalization:
-    if value is not None and (not isinstance(value, str) or value not in ("sym", "rw")):
-        msg = (
-            f"`ChebIIConv(normalization=...)` must be 'sym', 'rw' or None; got "
-            f"{value!r}."
-        )
-        raise ValueError(msg)
-    return value
-
-
-def _check_lambda_max(value: Any) -> Array:
-    """`lambda_max` as a real scalar array; a concrete value must be finite and > 0
-    (a traced one is not checked)."""
-    arg = "ChebIIConv.__call__(lambda_max=...)"
-    lam = real_scalar(value, arg)
-    if not isinstance(lam, Tracer):
-        concrete = np.asarray(lam)
-        if not (np.isfinite(concrete) and concrete > 0):
-            msg = f"`{arg}` must be finite and > 0; got {concrete}."
-            raise ValueError(msg)
-    return lam
 
 
 class ChebIIConv(eqx.Module):
@@ -189,7 +165,7 @@ class ChebIIConv(eqx.Module):
         `gamma` starts at 1 (the identity filter), so no key is needed.
         """
         K = check_size(K, "ChebIIConv(K=...)", what="the filter degree", minimum=0)
-        self.normalization = _check_normalization(normalization)
+        self.normalization = _check_normalization(normalization, "ChebIIConv")
         if not isinstance(nonnegative, bool | np.bool_):
             msg = (
                 f"`ChebIIConv(nonnegative=...)` must be a bool; got {nonnegative!r} "
@@ -261,7 +237,7 @@ class ChebIIConv(eqx.Module):
                 f"{X.shape}; got shape {shape}."
             )
             raise ValueError(msg)
-        basis = Chebyshev(0.0, _check_lambda_max(lambda_max))
+        basis = Chebyshev(0.0, _check_lambda_max(lambda_max, "ChebIIConv"))
         check_output_size(
             self.K + 1,
             [X],
