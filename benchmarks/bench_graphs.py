@@ -9,10 +9,15 @@ PyTorch a CSR tensor, PyG an `EdgeIndex` or `edge_index`/`edge_weight`). Cases
 gradient with respect to `X` of `sum(stack * W)` (`W` a fixed `(d, b)` array);
 `grad_both`, the same with respect to `X` and the edge weights; `conv`, forward +
 backward of `krylovjax.nn.KrylovGraphConv(128, 64, num_hops=3)` against PyG's
-`TAGConv(128, 64, K=3, normalize=False)` with the same weights. Methods: krylovjax
+`TAGConv(128, 64, K=3, normalize=False)` with the same weights; `cheb_fwd` and
+`cheb`, forward and forward + backward of `krylovjax.nn.ChebGraphConv(128, 64,
+K=10)` against PyG's `ChebConv(128, 64, K=10)` (`"sym"`, `lambda_max=2`, the same
+weights) on the graph's edges without self-loops, unit weights. Methods: krylovjax
 (jitted), `torch_csr` (`torch.sparse.mm` in a loop), `pyg` (`EdgeIndex.matmul`),
-and for `conv` `pyg_csr` (TAGConv on the CSR tensor) and `pyg_ei` (TAGConv on
-`edge_index`). `benchmarks/README.md` ("Graph filters") has the details.
+for `conv` `pyg_csr` (TAGConv on the CSR tensor) and `pyg_ei` (TAGConv on
+`edge_index`), and for `cheb_fwd`/`cheb` `pyg_cheb_csr` (ChebConv on an `EdgeIndex`
+sorted by row) and `pyg_cheb_ei` (ChebConv on `edge_index`).
+`benchmarks/README.md` ("Graph filters") has the details.
 
 Two measurements, each in child processes of this script, whose own process
 imports neither JAX nor torch (a child's `ru_maxrss` starts from its parent's RSS):
@@ -27,10 +32,12 @@ imports neither JAX nor torch (a child's `ru_maxrss` starts from its parent's RS
   `--rss-limit-gb` and reports "killed at X GB"; the RSS phase runs first, and a
   case killed there is left out of the timing.
 
-Run `python benchmarks/bench_graphs.py` (n = 170000, every case; about 6 minutes on
-2 cores), `--quick` (n = 5000, RSS of `grad_both` only: under a minute), `--n 20000`
-(a small graph, for regressions), or `--n 1000000 --cases forward,grad_both
---phases rss` (the 1M-node memory targets). PyTorch and PyG are optional
+Run `python benchmarks/bench_graphs.py` (n = 170000, every case but `cheb_fwd` and
+`cheb`; about 6 minutes on 2 cores), `--cases cheb_fwd,cheb` (the ChebConv
+comparison: PyG's ChebConv takes most of its half an hour), `--quick` (n = 5000,
+RSS of `grad_both` only: under a minute), `--n 20000` (a small graph, for
+regressions), or `--n 1000000 --cases forward,grad_both --phases rss` (the 1M-node
+memory targets). PyTorch and PyG are optional
 (`pip install -e ".[bench-torch]"`): without them their cells read "not
 installed". Results go to `--out` (default `benchmarks/out/graphs`, git-ignored):
 `results.json`, `results.md`, and `rss/` and `timing/` (each child's JSON report
@@ -50,33 +57,47 @@ from pathlib import Path
 import _harness as h
 import numpy as np
 
-CASES = ("forward", "grad_x", "grad_both", "conv")
+CASES = ("forward", "grad_x", "grad_both", "conv", "cheb_fwd", "cheb")
 METHODS = {case: ("krylovjax", "torch_csr", "pyg") for case in CASES[:3]}
 METHODS["conv"] = ("krylovjax", "pyg_csr", "pyg_ei")
+CHEB_CASES = ("cheb_fwd", "cheb")
+# What runs without `--cases`: PyG's ChebConv alone takes half an hour at 170k.
+DEFAULT_CASES = tuple(x for x in CASES if x not in CHEB_CASES)
+METHODS |= {case: ("krylovjax", "pyg_cheb_csr", "pyg_cheb_ei") for case in CHEB_CASES}
 LABELS = {"krylovjax": "krylovjax", "torch_csr": "torch CSR", "pyg": "PyG EdgeIndex"}
 LABELS |= {"pyg_csr": "PyG TAGConv CSR", "pyg_ei": "PyG TAGConv edge_index"}
+LABELS |= {"pyg_cheb_csr": "PyG ChebConv CSR", "pyg_cheb_ei": "PyG ChebConv edge_index"}
+PYG = ("pyg", "pyg_csr", "pyg_ei", "pyg_cheb_csr", "pyg_cheb_ei")
 # The libraries each method needs, by import name.
 NEEDS = {"krylovjax": ("jax", "krylovjax"), "torch_csr": ("torch",)}
-NEEDS |= {m: ("torch", "torch_geometric") for m in ("pyg", "pyg_csr", "pyg_ei")}
+NEEDS |= {m: ("torch", "torch_geometric") for m in PYG}
 # The issue's targets, shown next to the numbers (not checked).
 TIME_TARGETS = {case: "kj / torch CSR <= 1.2 at n = 170k" for case in CASES[:2]}
 TIME_TARGETS["grad_both"] = "completes; see the RSS target"
 TIME_TARGETS["conv"] = "kj / TAGConv CSR <= 1 at n = 170k"
+TIME_TARGETS |= {c: "kj / ChebConv CSR <= 0.8 at n = 170k" for c in CHEB_CASES}
 RSS_TARGETS = {"forward": "<= 6 GB at n = 1M", "grad_x": "-", "conv": "-"}
 RSS_TARGETS["grad_both"] = "<= 1.5x grad_x at 170k; <= 6 GB at n = 1M"
+RSS_TARGETS |= {case: "-" for case in CHEB_CASES}
+# Largest relative difference from krylovjax's outputs that counts as agreeing
+# (float32; ChebConv's K = 10 blocks are a three-term recurrence).
+AGREE_RTOL = 1e-4
 
 
 # The graph: NumPy only, so that every library gets the same arrays.
 
 
-def make_graph(n: int, degree: int, b: int, d: int, conv_out: int, seed: int):
+def make_graph(
+    n: int, degree: int, b: int, d: int, conv_out: int, seed: int, cheb_k: int = 10
+):
     """A random undirected graph with self-loops, its normalised weights, features.
 
     `(degree - 1) * n // 2` distinct undirected edges `{i, j}`, `i != j`, drawn
     uniformly, stored both ways, plus the `n` self-loops: about `degree` entries per
     row. The entries are sorted by (row, column) so that the BCOO order, the CSR
     order and the `EdgeIndex` order are the same, and the gradients of the values
-    line up.
+    line up. Also the weights of the two layers: `KrylovGraphConv` (`d` blocks) and
+    `ChebGraphConv` (`cheb_k` blocks), both `b` features in and `conv_out` out.
     """
     rng = np.random.default_rng(seed)
     m = (degree - 1) * n // 2
@@ -112,9 +133,23 @@ def make_graph(n: int, degree: int, b: int, d: int, conv_out: int, seed: int):
     lim = 1 / np.sqrt(d * b)
     conv_weight = rng.uniform(-lim, lim, (conv_out, d * b)).astype(np.float32)
     conv_bias = rng.uniform(-lim, lim, (conv_out,)).astype(np.float32)
+    # ChebGraphConv's and ChebConv's weight initialisation (Glorot uniform), and a
+    # bias that is not zero, so that its gradient is compared too.
+    lim = np.sqrt(6 / (b + conv_out))
+    cheb_weight = rng.uniform(-lim, lim, (cheb_k, b, conv_out)).astype(np.float32)
+    cheb_bias = rng.uniform(-lim, lim, (conv_out,)).astype(np.float32)
     g = {"n": n, "nnz": int(rows.size), "rows": rows, "cols": cols, "crow": crow}
     g.update(values=values, X=X, W=W, V=V)
+    g.update(cheb_weight=cheb_weight, cheb_bias=cheb_bias)
     return g | {"conv_weight": conv_weight, "conv_bias": conv_bias}
+
+
+def graph_edges(g: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The rows and columns of the graph's edges without its self-loops: the
+    adjacency $A$ (unit weights) that `ChebGraphConv` and `ChebConv` normalise
+    themselves (both would drop the self-loops), sorted by (row, column)."""
+    keep = g["rows"] != g["cols"]
+    return g["rows"][keep], g["cols"][keep]
 
 
 # One setup per library: it returns `call` (one run, finished, returning the
@@ -176,6 +211,113 @@ def setup_krylovjax(case: str, g: dict, d: int) -> dict:
     return {"call": call, "extract": extract, "compile_s": compile_s} | {
         "xla": h.memory(compiled)
     }
+
+
+def setup_krylovjax_cheb(case: str, g: dict) -> dict:
+    """`ChebGraphConv` on the BCOO adjacency of unit weights, `lambda_max=2`:
+    its output (`cheb_fwd`), or the loss `sum(out * V)` and its gradient with
+    respect to the layer and `X` (`cheb`)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import sparse
+
+    from krylovjax.nn import ChebGraphConv
+
+    n = g["n"]
+    rows, cols = graph_edges(g)
+    data = jnp.ones(rows.shape, jnp.float32)
+    indices = jnp.asarray(np.stack([rows, cols], axis=1))
+    X, V = jnp.asarray(g["X"]), jnp.asarray(g["V"])
+    K, b, out = g["cheb_weight"].shape
+    model = ChebGraphConv(b, out, K, normalization="sym", key=jax.random.key(0))
+    weights = jnp.asarray(g["cheb_weight"]), jnp.asarray(g["cheb_bias"])
+    model = eqx.tree_at(lambda m: (m.weight, m.bias), model, weights)
+
+    def forward(model, data, indices, X):
+        A = sparse.BCOO((data, indices), shape=(n, n))
+        return model(A, X, lambda_max=2.0)
+
+    def loss(model, data, indices, X, V):
+        return jnp.sum(forward(model, data, indices, X) * V)
+
+    def grad(model, data, indices, X, V):
+        vg = jax.value_and_grad(loss, argnums=(0, 3))
+        value, (grad_model, grad_X) = vg(model, data, indices, X, V)
+        return value, grad_X, grad_model.weight, grad_model.bias
+
+    if case == "cheb_fwd":
+        fn, args, names = forward, (model, data, indices, X), ("out",)
+    else:
+        fn, args = grad, (model, data, indices, X, V)
+        names = ("loss", "X", "weight", "bias")
+    compiled, compile_s = h.compile_timed(fn, args)
+
+    def extract(out):
+        leaves = jax.tree.leaves(out)
+        return {k: np.asarray(v) for k, v in zip(names, leaves, strict=True)}
+
+    call = h.ready(compiled, args)
+    return {"call": call, "extract": extract, "compile_s": compile_s} | {
+        "xla": h.memory(compiled)
+    }
+
+
+def setup_pyg_cheb(method: str, case: str, g: dict) -> dict:
+    """PyG's `ChebConv` with the same weights, `normalization="sym"`,
+    `lambda_max=2`, on `edge_index` with unit `edge_weight`: as an `EdgeIndex`
+    sorted by row (`pyg_cheb_csr`) or a plain tensor (`pyg_cheb_ei`). It takes no
+    CSR tensor (`get_laplacian` indexes its input as `edge_index`), and its
+    `get_laplacian` appends the self-loops to the edges, so the `EdgeIndex` leaves
+    it unsorted and both forms propagate by gather and scatter."""
+    import torch
+    from torch_geometric import EdgeIndex
+    from torch_geometric.nn import ChebConv
+
+    n = g["n"]
+    rows, cols = graph_edges(g)
+    edge_index = torch.from_numpy(np.stack([rows, cols]).astype(np.int64))
+    if method == "pyg_cheb_csr":
+        edge_index = EdgeIndex(
+            edge_index, sparse_size=(n, n), sort_order="row", is_undirected=True
+        )
+    edge_weight = torch.ones(rows.shape, dtype=torch.float32)
+    K, b, out = g["cheb_weight"].shape
+    conv = ChebConv(b, out, K=K, normalization="sym")
+    with torch.no_grad():
+        for k, lin in enumerate(conv.lins):
+            lin.weight.copy_(torch.from_numpy(g["cheb_weight"][k].T))
+        conv.bias.copy_(torch.from_numpy(g["cheb_bias"]))
+    X, V = torch.from_numpy(g["X"]), torch.from_numpy(g["V"])
+
+    def forward(x):
+        return conv(x, edge_index, edge_weight, lambda_max=2.0)
+
+    if case == "cheb_fwd":
+
+        def call():
+            with torch.no_grad():
+                return (forward(X),)
+
+        def extract(out):
+            return {"out": out[0].numpy()}
+
+        return {"call": call, "extract": extract}
+
+    Xg, params = X.clone().requires_grad_(), [*conv.parameters()]
+
+    def call():
+        loss = (forward(Xg) * V).sum()
+        return loss.detach(), *torch.autograd.grad(loss, [Xg, *params])
+
+    def extract(out):
+        loss, gx, *gp = (t.numpy() for t in out)
+        names = [k for k, _ in conv.named_parameters()]  # the order of `params`
+        by_name = dict(zip(names, gp, strict=True))
+        weight = np.stack([by_name[f"lins.{k}.weight"].T for k in range(K)])
+        return {"loss": loss, "X": gx, "weight": weight, "bias": by_name["bias"]}
+
+    return {"call": call, "extract": extract}
 
 
 def setup_torch(method: str, case: str, g: dict, d: int) -> dict:
@@ -265,6 +407,10 @@ def setup_torch(method: str, case: str, g: dict, d: int) -> dict:
 
 
 def setup(method: str, case: str, g: dict, d: int) -> dict:
+    if case in CHEB_CASES:
+        if method == "krylovjax":
+            return setup_krylovjax_cheb(case, g)
+        return setup_pyg_cheb(method, case, g)
     if method == "krylovjax":
         return setup_krylovjax(case, g, d)
     return setup_torch(method, case, g, d)
@@ -331,7 +477,9 @@ def finish_child(args, report: dict, code: int) -> int:
 
 def build_graph(args, report: dict) -> dict:
     start = time.perf_counter()
-    g = make_graph(args.n, args.degree, args.b, args.d, args.conv_out, args.seed)
+    g = make_graph(
+        args.n, args.degree, args.b, args.d, args.conv_out, args.seed, args.cheb_k
+    )
     report["nnz"] = g["nnz"]
     report["graph_build_s"] = time.perf_counter() - start
     return g
@@ -410,7 +558,8 @@ def timing_child(args) -> int:
 
 
 def child_args(args, n: int) -> list[str]:
-    names = ("degree", "b", "d", "conv_out", "seed", "repeats", "torch_threads")
+    names = ("degree", "b", "d", "conv_out", "cheb_k", "seed", "repeats")
+    names += ("torch_threads",)
     names += ("rss_limit_gb", "rss_headroom_gb")
     flags = [(f"--{k.replace('_', '-')}", str(getattr(args, k))) for k in names]
     return ["--n", str(n), *(x for flag in flags for x in flag)]
@@ -468,7 +617,8 @@ def time_case(case: str, methods: list[str], g: dict, args) -> dict:
 
 
 def _ms(x):
-    return h.fmt(None if x is None else x * 1e3, ".4g")
+    # Whole milliseconds from 1 s up (ChebConv's calls take tens of seconds).
+    return h.fmt(None if x is None else x * 1e3, ".4g" if x is None or x < 1 else ".0f")
 
 
 def ok_peak(r):
@@ -509,6 +659,59 @@ def time_row(case: str, rs: dict, others: tuple[str, str]) -> list:
     )
 
 
+def cheb_lines(report: dict) -> list[str]:
+    """The `ChebGraphConv` table: time and peak RSS of each method side by side."""
+    timing, rss = report.get("timing") or {}, report.get("rss") or {}
+    cases = [x for x in CHEB_CASES if x in timing or x in rss]
+    if not cases:
+        return []
+    c = report["config"]
+    others = METHODS["cheb"][1:]
+    rows = []
+    for case in cases:
+        row = time_row(case, timing.get(case, {}), others)
+        diffs = [timing.get(case, {}).get(x) for x in others]
+        diffs = [r.get("agreement_vs_krylovjax") for r in diffs if isinstance(r, dict)]
+        agree = "-" if not diffs or None in diffs else max(diffs) <= AGREE_RTOL
+        agree = {True: "yes", False: "**no**"}.get(agree, agree)
+        peaks = [rss_cell(rss.get(case, {}).get(x)) for x in METHODS[case]]
+        rows.append([*row[:-1], agree, *peaks, row[-1]])
+    what = {"cheb_fwd": "forward", "cheb": "forward + backward"}
+    lines = [
+        "",
+        f"`ChebGraphConv({c['b']}, {c['conv_out']}, K={c['cheb_k']})` against PyG's "
+        f"`ChebConv({c['b']}, {c['conv_out']}, K={c['cheb_k']})`, "
+        '`normalization="sym"`, `lambda_max=2`, the same weights, on the graph\'s '
+        "edges without self-loops and unit weights (both layers build the "
+        "Laplacian in every call): "
+        + "; ".join(f"`{x}` {what[x]}" for x in cases)
+        + " (the loss `sum(out * V)`, gradient with respect to the layer and `X`). "
+        "ChebConv CSR: an `EdgeIndex` sorted by row; edge_index: a plain tensor. "
+        f"`agree`: largest rel. diff <= {AGREE_RTOL:g}. Peak RSS in GB, each "
+        "(method, case) in its own process (the RSS table below).",
+        "",
+        *h.table(
+            "case | ChebGraphConv ms | ChebConv CSR ms | ChebConv edge_index ms "
+            "| kj / ChebConv CSR | kj / ChebConv edge_index | kj compile s "
+            "| rel. diff CSR, edge_index | agree | peak RSS ChebGraphConv "
+            "| peak RSS ChebConv CSR | peak RSS ChebConv edge_index | target (issue)",
+            rows,
+        ),
+    ]
+    if all(x in timing for x in CHEB_CASES):
+
+        def med(case, meth):
+            r = timing[case].get(meth)
+            return r.get("median_s") if isinstance(r, dict) else None
+
+        parts = [
+            f"{LABELS[x]} {h.fmt(h.ratio(med('cheb', x), med('cheb_fwd', x)))}"
+            for x in METHODS["cheb"]
+        ]
+        lines += ["", f"Time of forward + backward / forward: {', '.join(parts)}."]
+    return lines
+
+
 def markdown(report: dict) -> str:
     m, c = report["machine"], report["config"]
     v = m["versions"]
@@ -545,18 +748,22 @@ def markdown(report: dict) -> str:
             "compile excluded). Ratios are krylovjax / the other. `rel. diff`: "
             "largest |difference| / largest |value| of the outputs against "
             "krylovjax's.",
-            "",
-            *h.table(
-                "case | krylovjax ms | torch CSR ms | PyG EdgeIndex ms "
-                "| kj / torch CSR | kj / PyG | kj compile s | rel. diff torch, PyG "
-                "| target (issue)",
-                [
-                    time_row(case, timing[case], ("torch_csr", "pyg"))
-                    for case in ("forward", "grad_x", "grad_both")
-                    if case in timing
-                ],
-            ),
         ]
+        rows = [
+            time_row(case, timing[case], ("torch_csr", "pyg"))
+            for case in ("forward", "grad_x", "grad_both")
+            if case in timing
+        ]
+        if rows:
+            lines += [
+                "",
+                *h.table(
+                    "case | krylovjax ms | torch CSR ms | PyG EdgeIndex ms "
+                    "| kj / torch CSR | kj / PyG | kj compile s "
+                    "| rel. diff torch, PyG | target (issue)",
+                    rows,
+                ),
+            ]
         if "conv" in timing:
             lines += [
                 "",
@@ -567,6 +774,7 @@ def markdown(report: dict) -> str:
                     [time_row("conv", timing["conv"], ("pyg_csr", "pyg_ei"))],
                 ),
             ]
+        lines += cheb_lines(report)
         first = [
             f"{case} {LABELS[meth]} {_ms(r.get('first_call_s'))}"
             for case, rs in timing.items()
@@ -600,17 +808,20 @@ def markdown(report: dict) -> str:
             "",
         ]
         rows = []
-        for case in (x for x in CASES if x in rss):
+        for case in (x for x in CASES if x in rss and x not in CHEB_CASES):
             rs = rss[case]
-            others = ("torch_csr", "pyg") if case != "conv" else ("pyg_csr", "pyg_ei")
+            others = METHODS[case][1:]
             cells = [rss_cell(rs.get(x)) for x in ("krylovjax", *others)]
             kj_over = h.ratio(ok_peak(rs.get("krylovjax")), ok_peak(rs.get(others[0])))
             rows.append([case, *cells, h.fmt(kj_over), RSS_TARGETS[case]])
-        lines += h.table(
-            "case | krylovjax | torch CSR / TAGConv CSR | PyG EdgeIndex / TAGConv "
-            "edge_index | kj / torch CSR (conv: / TAGConv CSR) | target (issue)",
-            rows,
-        )
+        if rows:
+            lines += h.table(
+                "case | krylovjax | torch CSR / TAGConv CSR | PyG EdgeIndex / TAGConv "
+                "edge_index | kj / torch CSR (conv: / TAGConv CSR) | target (issue)",
+                rows,
+            )
+        if not report.get("timing"):
+            lines += cheb_lines(report)
         if "grad_x" in rss and "grad_both" in rss:
             parts = [
                 f"{LABELS[x]} "
@@ -662,10 +873,14 @@ def markdown(report: dict) -> str:
             ),
         ]
     n, nnz, b, d = c["n"], report["graph"]["nnz"], c["b"], c["d"]
+    blocks = ""
+    if any(x in c["cases"] for x in CHEB_CASES):
+        K = c["cheb_k"]
+        blocks = f"ChebGraphConv's K blocks (n, K, b) {4 * n * K * b / h.GB:.3f} GB, "
     lines += [
         "",
         f"Sizes for orientation: X {4 * n * b / h.GB:.3f} GB, the stack (n, d, b) "
-        f"{4 * n * d * b / h.GB:.3f} GB, one gathered (nnz, b) array "
+        f"{4 * n * d * b / h.GB:.3f} GB, {blocks}one gathered (nnz, b) array "
         f"{4 * nnz * b / h.GB:.3f} GB, the BCOO matrix {12 * nnz / h.GB:.3f} GB, the "
         f"CSR matrix {(12 * nnz + 8 * n) / h.GB:.3f} GB. Total run time "
         f"{report['total_s']:.0f} s.",
@@ -683,8 +898,14 @@ def main(argv=None) -> dict | None:
         ("--b", int, 128, "features per node"),
         ("--d", int, 4, "blocks X ... Â^(d-1) X"),
         ("--conv-out", int, 64, "output features of the layers"),
+        ("--cheb-k", int, 10, "K of ChebGraphConv and ChebConv"),
         ("--seed", int, 0, None),
-        ("--cases", str, ",".join(CASES), f"comma-separated, of {', '.join(CASES)}"),
+        (
+            "--cases",
+            str,
+            ",".join(DEFAULT_CASES),
+            f"comma-separated, of {', '.join(CASES)} (default: all but the cheb ones)",
+        ),
         ("--phases", str, "rss,timing", "comma-separated, of rss and timing"),
         ("--repeats", int, 5, "timing rounds"),
         ("--torch-threads", int, h.cores(), "default: the cores we may use"),
@@ -736,6 +957,7 @@ def main(argv=None) -> dict | None:
         f"{args.torch_threads}); XLA: its default thread pool"
     )
     config = {k: getattr(args, k) for k in ("degree", "b", "d", "conv_out", "seed")}
+    config["cheb_k"] = args.cheb_k
     config |= {"n": n, "cases": cases, "phases": phases, "repeats": args.repeats}
     config |= {k: getattr(args, k) for k in ("torch_threads", "rss_limit_gb")}
     config |= {"rss_headroom_gb": args.rss_headroom_gb, "quick": args.quick}
