@@ -698,17 +698,6 @@ def cheb_lines(report: dict) -> list[str]:
             rows,
         ),
     ]
-    if all(x in timing for x in CHEB_CASES):
-
-        def med(case, meth):
-            r = timing[case].get(meth)
-            return r.get("median_s") if isinstance(r, dict) else None
-
-        parts = [
-            f"{LABELS[x]} {h.fmt(h.ratio(med('cheb', x), med('cheb_fwd', x)))}"
-            for x in METHODS["cheb"]
-        ]
-        lines += ["", f"Time of forward + backward / forward: {', '.join(parts)}."]
     return lines
 
 
