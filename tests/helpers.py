@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import jaxtyping
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from jax.experimental import sparse
@@ -640,3 +641,25 @@ def krylov_numpy(A, x0, d, layout="columns"):
         xs.append(A @ xs[-1])
     rows = np.stack(xs)
     return rows if layout == "rows" else np.moveaxis(rows, 0, 1)
+
+
+def adam_losses(model, loss, learning_rate, steps=4):
+    """The losses of `steps` jitted Adam steps on `loss(model)`, first to last.
+
+    optax mixes its int32 step count with floats, which strict promotion
+    (conftest.py) refuses; the model itself runs under strict promotion."""
+    optimiser = optax.adam(learning_rate)
+
+    @jax.jit
+    def step(model, state):
+        value, grad = jax.value_and_grad(loss)(model)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, state = optimiser.update(grad, state, model)
+        return optax.apply_updates(model, updates), state, value
+
+    state = optimiser.init(model)
+    losses = []
+    for _ in range(steps):
+        model, state, value = step(model, state)
+        losses.append(float(value))
+    return losses

@@ -16,9 +16,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from helpers import unchecked
+from helpers import adam_losses, unchecked
 from jax.experimental import sparse
 from jax.test_util import check_vjp
 
@@ -303,26 +302,9 @@ def test_adam_steps_reduce_a_loss():
     x = rng.standard_normal((N, 2))
     target = rng.standard_normal((N, 2))
     adjacency = _bcoo(np.concatenate([WEIGHTS, [PADDING]]))
-    conv = ChebIIConv(K)
-    optimiser = optax.adam(5e-2)
-
-    @jax.jit
-    def step(conv, state):
-        def loss(conv):
-            return jnp.mean((conv(adjacency, x) - target) ** 2)
-
-        value, grad = jax.value_and_grad(loss)(conv)
-        # optax mixes its int32 step count with floats, which strict promotion
-        # (conftest.py) refuses; the layer itself runs under strict promotion.
-        with jax.numpy_dtype_promotion("standard"):
-            updates, state = optimiser.update(grad, state, conv)
-        return optax.apply_updates(conv, updates), state, value
-
-    state = optimiser.init(conv)
-    losses = []
-    for _ in range(4):
-        conv, state, value = step(conv, state)
-        losses.append(float(value))
+    losses = adam_losses(
+        ChebIIConv(K), lambda c: jnp.mean((c(adjacency, x) - target) ** 2), 5e-2
+    )
     assert losses[3] < losses[0]
 
 

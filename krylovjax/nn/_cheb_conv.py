@@ -149,6 +149,41 @@ def _sparse_laplacian(A: sparse.BCOO, normalization: Normalization) -> sparse.BC
     return sparse.BCOO((data, indices), shape=(n, n))
 
 
+def chebyshev_blocks(
+    adjacency: Any,
+    X: Array,
+    K: int,
+    normalization: Normalization,
+    lambda_max: Any,
+    layer: str,
+    dtype: Any,
+) -> Array:
+    r"""The `(N, K, F)` blocks $T_k(\hat L^\top) X$, $k < K$, of a layer called
+    `layer` with parameters of `dtype`: the adjacency checked against `X` (already
+    checked), its Laplacian, and one `krylov` call."""
+    n = X.shape[0]
+    a_arg = f"{layer}.__call__(adjacency=...)"
+    adjacency = _as_adjacency(adjacency, a_arg, dtype)
+    _check_real(adjacency, a_arg)
+    shape = tuple(adjacency.shape)
+    if shape != (n, n):
+        msg = (
+            f"`{a_arg}` must have shape {(n, n)} to match `X` of shape "
+            f"{X.shape}; got shape {shape}."
+        )
+        raise ValueError(msg)
+    basis = Chebyshev(0.0, _check_lambda_max(lambda_max, layer))
+    check_output_size(
+        K, [X], layer, arg=f"{layer}(K=...)", what="the node features `X`"
+    )
+    if isinstance(adjacency, sparse.BCOO):
+        laplacian = _sparse_laplacian(adjacency, normalization)
+    else:
+        laplacian = _dense_laplacian(adjacency, normalization)
+    # Node n's features are [x_n, (T_1(L_hat^T) X)_n, ...].
+    return krylov(laplacian, X, K, basis=basis, layout="columns")
+
+
 class ChebGraphConv(eqx.Module):
     r"""The Chebyshev spectral graph convolution of PyTorch Geometric's `ChebConv`.
 
@@ -310,31 +345,9 @@ class ChebGraphConv(eqx.Module):
                 f"in_features={self.in_features}); got shape {X.shape}."
             )
             raise ValueError(msg)
-        n = X.shape[0]
-        a_arg = "ChebGraphConv.__call__(adjacency=...)"
-        adjacency = _as_adjacency(adjacency, a_arg, dtype)
-        _check_real(adjacency, a_arg)
-        shape = tuple(adjacency.shape)
-        if shape != (n, n):
-            msg = (
-                f"`{a_arg}` must have shape {(n, n)} to match `X` of shape "
-                f"{X.shape}; got shape {shape}."
-            )
-            raise ValueError(msg)
-        basis = Chebyshev(0.0, _check_lambda_max(lambda_max))
-        check_output_size(
-            self.K,
-            [X],
-            "ChebGraphConv",
-            arg="ChebGraphConv(K=...)",
-            what="the node features `X`",
+        features = chebyshev_blocks(
+            adjacency, X, self.K, self.normalization, lambda_max, "ChebGraphConv", dtype
         )
-        if isinstance(adjacency, sparse.BCOO):
-            laplacian = _sparse_laplacian(adjacency, self.normalization)
-        else:
-            laplacian = _dense_laplacian(adjacency, self.normalization)
-        # (N, K, F_in): node n's features are [x_n, (T_1(L_hat^T) X)_n, ...].
-        features = krylov(laplacian, X, self.K, basis=basis, layout="columns")
         weight = self.weight.astype(features.dtype)
         out = jnp.einsum("nkf,kfo->no", features, weight)
         if self.bias is not None:

@@ -40,25 +40,20 @@ import numpy as np
 from jax.experimental import sparse
 from jaxtyping import Array, ArrayLike, DTypeLike, Float, PRNGKeyArray, Shaped
 
-from .._bases import Chebyshev, RealScalar
+from .._bases import RealScalar
 from .._checks import (
     as_input,
     check_allocation,
     check_dtype,
-    check_output_size,
     check_size,
 )
-from .._krylov import krylov
 from .._typing import StaticInt
 from ._cheb_conv import (
     Normalization,
-    _check_lambda_max,
     _check_normalization,
     _check_real,
-    _dense_laplacian,
-    _sparse_laplacian,
+    chebyshev_blocks,
 )
-from ._graph_conv import _as_adjacency
 
 
 def _angles(K: int) -> np.ndarray:
@@ -226,31 +221,16 @@ class ChebIIConv(eqx.Module):
                 f"{X.shape}."
             )
             raise ValueError(msg)
-        n = X.shape[0]
-        a_arg = "ChebIIConv.__call__(adjacency=...)"
-        adjacency = _as_adjacency(adjacency, a_arg, dtype)
-        _check_real(adjacency, a_arg)
-        shape = tuple(adjacency.shape)
-        if shape != (n, n):
-            msg = (
-                f"`{a_arg}` must have shape {(n, n)} to match `X` of shape "
-                f"{X.shape}; got shape {shape}."
-            )
-            raise ValueError(msg)
-        basis = Chebyshev(0.0, _check_lambda_max(lambda_max, "ChebIIConv"))
-        check_output_size(
-            self.K + 1,
-            [X],
-            "ChebIIConv",
-            arg="ChebIIConv(K=...)",
-            what="the node features `X`",
-        )
-        if isinstance(adjacency, sparse.BCOO):
-            laplacian = _sparse_laplacian(adjacency, self.normalization)
-        else:
-            laplacian = _dense_laplacian(adjacency, self.normalization)
         # (N, K + 1, F): node n's features are [x_n, (T_1(L_hat^T) X)_n, ...].
-        features = krylov(laplacian, X, self.K + 1, basis=basis, layout="columns")
+        features = chebyshev_blocks(
+            adjacency,
+            X,
+            self.K + 1,
+            self.normalization,
+            lambda_max,
+            "ChebIIConv",
+            dtype,
+        )
         values = self.gamma.astype(features.dtype)
         if self.nonnegative:
             values = jax.nn.relu(values)
