@@ -7,7 +7,10 @@ default rule (`krylovjax`) and by `adjoint="autodiff"` (`autodiff`: JAX's rules
 through the same `lax.scan`), timed side by side, with XLA's compiled temporary
 memory; the forward pass of a `Chebyshev` basis against the monomial default; and
 the forward mode (`jax.jvp`) against the reverse pass for a callable `A` with
-parameters (a closure over a dense matrix).
+parameters (a closure over a dense matrix). Last, forward against reverse mode
+on a matrix-free log-det: `trace_funm(jnp.log, ...)` of an RBF kernel matrix plus
+noise, applied as a closure over the points, differentiated in the lengthscale and
+the noise (the Lanczos rule's forward and reverse passes).
 
 Run `python benchmarks/bench_bases.py` (about a minute on 2 cores) or `--quick`.
 Results go to `--out` (default `benchmarks/out/bases`, git-ignored): `results.json`
@@ -26,10 +29,12 @@ import krylovjax
 
 FULL = {
     "sizes": [(512, 200, None), (256, 1024, 8), (32, 5000, None)],
+    "logdet": (2000, 30, 16),
     "timing": {"target_s": 0.3, "min_rounds": 5, "max_rounds": 200},
 }
 QUICK = {
     "sizes": [(64, 50, None)],
+    "logdet": (100, 8, 4),
     "timing": {"target_s": 0.02, "min_rounds": 3, "max_rounds": 5},
 }
 
@@ -108,6 +113,40 @@ def run_size(n, d, b, timing):
     }
 
 
+def logdet_modes(n, d, num_probes, timing):
+    """`jax.jvp` against `jax.grad` of a matrix-free stochastic log-det."""
+    points = jax.random.normal(jax.random.key(1), (n, 3))
+    key = jax.random.key(0)
+
+    def logdet(lengthscale, noise):
+        def mv(v):
+            sq = jnp.sum((points[:, None] - points[None]) ** 2, -1)
+            return jnp.exp(-sq / (2 * lengthscale**2)) @ v + noise * v
+
+        return krylovjax.trace_funm(
+            jnp.log, mv, key, d, num_probes=num_probes, like=points[:, 0]
+        )
+
+    args = (jnp.float32(1.0), jnp.float32(0.1))
+    tangents = (jnp.float32(1.0), jnp.float32(0.0))
+    modes = h.measure(
+        {
+            "value": (logdet, args),
+            "jvp": (lambda *a: jax.jvp(logdet, a, tangents), args),
+            "grad": (jax.grad(logdet, argnums=(0, 1)), args),
+        },
+        **timing,
+    )
+    median = {k: v["median_s"] for k, v in modes.items()}
+    return {
+        "n": n,
+        "d": d,
+        "num_probes": num_probes,
+        "median_s": median,
+        "jvp_over_grad": h.ratio(median["jvp"], median["grad"]),
+    }
+
+
 def markdown(report):
     m = report["machine"]
     rows = [
@@ -137,7 +176,16 @@ def markdown(report):
         f"jax {m['versions']['jax']}, {m['backend']}, {m['cores']} cores, "
         f"{m['time']}.\n"
     )
-    return "\n".join(lines) + "\n" + note
+    r = report["logdet"]
+    t = r["median_s"]
+    logdet = (
+        f"\nMatrix-free log-det (`trace_funm(jnp.log, ...)` of an RBF kernel plus "
+        f"noise as a closure, n = {r['n']}, d = {r['d']}, {r['num_probes']} probes, "
+        f"derivative in the lengthscale and the noise): value {h.ms(t['value'])} ms, "
+        f"jvp {h.ms(t['jvp'])} ms, grad {h.ms(t['grad'])} ms, "
+        f"jvp / grad {h.fmt(r['jvp_over_grad'])}.\n"
+    )
+    return "\n".join(lines) + "\n" + note + logdet
 
 
 def main(argv=None):
@@ -153,7 +201,9 @@ def main(argv=None):
     for n, d, b in config["sizes"]:
         log(f"size ({n}, {d}, {b})")
         sizes.append(run_size(n, d, b, config["timing"]))
-    report = {"machine": h.machine_info(), "sizes": sizes}
+    log(f"log-det {config['logdet']}")
+    logdet = logdet_modes(*config["logdet"], config["timing"])
+    report = {"machine": h.machine_info(), "sizes": sizes, "logdet": logdet}
     text = markdown(report)
     h.write_results(Path(args.out), report, text)
     if args.docs:
