@@ -125,6 +125,35 @@ def _on_interval(basis: Any, A: Array, B: Array, C: Array) -> Coefficients:
     return A * s, A * m + B, C
 
 
+def basis_coefficients(
+    basis: "AbstractBasis", d: int, dtype: Any, fn_name: str
+) -> Coefficients:
+    """`basis.coefficients(d, ...)` for vectors of `dtype`, checked: computed in
+    `dtype`'s real dtype (at least float32) and cast to `dtype` (the cast's
+    derivative takes the real part for a complex `dtype`)."""
+    if not isinstance(basis, AbstractBasis):
+        msg = (
+            f"`{fn_name}(basis=...)` must be `None` or a basis such as "
+            f"`krylovjax.Chebyshev(lo, hi)`; got an object of type "
+            f"{type(basis).__name__}."
+        )
+        raise TypeError(msg)
+    real = jnp.finfo(dtype).dtype
+    if real.itemsize < 4:
+        real = jnp.dtype(jnp.float32)
+    coefficients = basis.coefficients(d, real)
+    shapes = [getattr(coef, "shape", None) for coef in coefficients]
+    if len(coefficients) != 3 or any(shape != (d - 1,) for shape in shapes):
+        msg = (
+            f"`{fn_name}(basis=...)`: `{type(basis).__name__}.coefficients({d}, ...)` "
+            f"must return three arrays (a, b, c) of shape ({d - 1},); got shapes "
+            f"{shapes}."
+        )
+        raise ValueError(msg)
+    a, b, c = (jnp.asarray(coef).astype(dtype) for coef in coefficients)
+    return a, b, c
+
+
 class AbstractBasis(eqx.Module):
     r"""A polynomial basis $p_0 = 1, p_1, \dots$ given by its three-term recurrence
     $p_{k+1}(\lambda) = (a_k \lambda + b_k)\, p_k(\lambda) - c_k\, p_{k-1}(\lambda)$,

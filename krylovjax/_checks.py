@@ -286,7 +286,7 @@ def check_bcoo_matrix(A: Any, arg: str) -> None:
         raise ValueError(msg)
 
 
-def _describe(x: Any) -> str:
+def describe(x: Any) -> str:
     kind = f"an object of type {type(x).__name__}"
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"{kind} with shape {tuple(x.shape)} and dtype {x.dtype}"
@@ -302,7 +302,7 @@ def check_operator_type(A: Any, arg: str) -> None:
         isinstance(A, sparse.BCOO | jax.Array) or is_numpy_array(A) or callable(A)
     ):
         return
-    got = hint if hint is not None else f"{_describe(A)}."
+    got = hint if hint is not None else f"{describe(A)}."
     msg = (
         f"`{arg}` must be a square array, a `jax.experimental.sparse.BCOO` matrix or "
         f"a callable; got {got}"

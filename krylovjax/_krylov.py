@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Inexact
 
-from ._bases import AbstractBasis
+from ._bases import AbstractBasis, basis_coefficients
 from ._checks import as_array, check_choice, check_depth, check_output_size
 from ._doubling import choose_method, krylov_doubling, krylov_doubling_custom_vjp
 from ._operator import AbstractOperator, as_operator
@@ -181,7 +181,7 @@ def krylov(
     if adjoint is not None:
         check_choice(adjoint, ADJOINTS, "krylov(adjoint=...)")
     check_choice(method, METHODS, "krylov(method=...)")
-    operator, x0, d = _problem(A, x0, d, "krylov")
+    operator, x0, d = check_problem(A, x0, d, "krylov")
     if basis is not None:
         xs = _in_basis(operator, x0, d, basis, adjoint, method)
         return xs if layout == "rows" else jnp.moveaxis(xs, 0, 1)
@@ -205,13 +205,7 @@ def krylov(
 
 def _in_basis(operator, x0, d, basis, adjoint, method) -> Array:
     """The stack of $p_k(A) x_0$ for a polynomial `basis`."""
-    if not isinstance(basis, AbstractBasis):
-        msg = (
-            f"`krylov(basis=...)` must be `None` or a basis such as "
-            f"`krylovjax.Chebyshev(lo, hi)`; got an object of type "
-            f"{type(basis).__name__}."
-        )
-        raise TypeError(msg)
+    a, b, c = basis_coefficients(basis, d, x0.dtype, "krylov")
     if method == "doubling":
         msg = (
             "`krylov(method='doubling')` builds the monomial basis only; with "
@@ -226,21 +220,6 @@ def _in_basis(operator, x0, d, basis, adjoint, method) -> Array:
             f"offers {list(BASIS_BUILDERS)}."
         )
         raise ValueError(msg)
-    # The coefficients in the real dtype of x0 (at least float32), cast to x0's:
-    # the cast's derivative takes the real part for a complex x0.
-    real = jnp.finfo(x0.dtype).dtype
-    if real.itemsize < 4:
-        real = jnp.dtype(jnp.float32)
-    coefficients = basis.coefficients(d, real)
-    shapes = [getattr(coef, "shape", None) for coef in coefficients]
-    if len(coefficients) != 3 or any(shape != (d - 1,) for shape in shapes):
-        msg = (
-            f"`krylov(basis=...)`: `{type(basis).__name__}.coefficients({d}, ...)` "
-            f"must return three arrays (a, b, c) of shape ({d - 1},); got shapes "
-            f"{shapes}."
-        )
-        raise ValueError(msg)
-    a, b, c = (jnp.asarray(coef).astype(x0.dtype) for coef in coefficients)
     return x0[None] if d == 1 else build(operator, x0, (a, b, c), d)
 
 
@@ -277,11 +256,11 @@ def auto_method(
 
         ```
     """
-    operator, x0, d = _problem(A, x0, d, "auto_method")
+    operator, x0, d = check_problem(A, x0, d, "auto_method")
     return choose_method(operator, x0, d)
 
 
-def _problem(A, x0, d, fn_name):
+def check_problem(A, x0, d, fn_name):
     """Check `A`, `x0` and `d` and return them in internal form."""
     d = check_depth(d, fn_name)
     x0 = as_array(x0, f"{fn_name}(x0=...)")

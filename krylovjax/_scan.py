@@ -61,6 +61,8 @@ these loops with JAX's own rules.
 mode only (monomial basis).
 """
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -99,7 +101,7 @@ def _dot(x: Array, y: Array) -> Array:
 # ----------------------------------------------------------------- forward pass
 
 
-def _step(operator: AbstractOperator, x_prev, x: Array, abc) -> Array:
+def forward_step(operator: AbstractOperator, x_prev, x: Array, abc) -> Array:
     """$x_{k+1} = a_k A x_k + b_k x_k - c_k x_{k-1}$ ($A x_k$ without
     coefficients), typed like $x_k$."""
     if abc is None:
@@ -120,7 +122,7 @@ def krylov_tail(
 
     def body(carry, abc):
         x_prev, x = carry
-        y = _step(operator, x_prev, x, abc)
+        y = forward_step(operator, x_prev, x, abc)
         return (x, y), y
 
     rows = tuple(coef[:steps] for coef in coefficients)
@@ -167,7 +169,7 @@ def _stored_tail(
 
     def body3(i, carry):
         x_prev, x, stack = carry
-        y = _step(operator, x_prev, x, tuple(v[i] for v in coefficients))
+        y = forward_step(operator, x_prev, x, tuple(v[i] for v in coefficients))
         return x, y, lax.dynamic_update_index_in_dim(stack, y, i, 0)
 
     return lax.fori_loop(0, steps, body3, (jnp.zeros_like(x0), x0, stack))[2]
@@ -227,8 +229,9 @@ def _zero_after(y: Array, dtype) -> Array:
     return (jnp.where(jnp.isfinite(probe), probe, 0) * 0).astype(dtype)
 
 
-def _inexact_zeros(operator: AbstractOperator) -> AbstractOperator:
-    return jtu.tree_map(jnp.zeros_like, eqx.filter(operator, eqx.is_inexact_array))
+def inexact_zeros(tree: Any) -> Any:
+    """Zeros like the inexact arrays of a pytree (`None` elsewhere)."""
+    return jtu.tree_map(jnp.zeros_like, eqx.filter(tree, eqx.is_inexact_array))
 
 
 class _Reverse(eqx.Module):
@@ -256,7 +259,7 @@ def _coefficient_rows(coefficients: Coefficients) -> tuple[Array, Array, Array, 
     return a_next, b_next, c_next, a
 
 
-def _lambda(carry):
+def adjoint_vector(carry):
     r"""$\lambda_{k+1}$ from a carry: the vector, or the pair
     $(\lambda_{k+1}, \lambda_{k+2})$ of a three-term basis."""
     return carry if isinstance(carry, jax.Array) else carry[0]
@@ -268,26 +271,47 @@ def _weighted(rev: _Reverse, lam: Array, r) -> Array:
     return lam if rev.rows is None else rev.rows[3][r] * lam
 
 
+def adjoint_update(
+    transpose: AbstractOperator, carry: Any, g_i: Array, x_i, abc
+) -> tuple[Any, Array | None]:
+    r"""The adjoint recurrence at vector $i$: from the carry $\lambda_{i+1}$ (the
+    pair $(\lambda_{i+1}, \lambda_{i+2})$ for a three-term basis) and $g_i$, the
+    carry with $\lambda_i$, and for a three-term basis, whose `abc` is
+    $(a_i, b_i, c_{i+1})$, the products $\langle A^\top \lambda_{i+1},
+    x_i\rangle$, $\langle \lambda_{i+1}, x_i\rangle$ and
+    $-\langle \lambda_{i+2}, x_i\rangle$: the gradients of $a_i$, $b_i$ and
+    $c_{i+1}$ (`None` for the monomial basis, whose `x_i` is not read).
+
+    Every reverse pass runs this step: the scan's (`_adjoint_step`) and the
+    readouts' (`_readout.py`)."""
+    lam1 = adjoint_vector(carry)
+    if abc is None:
+        return typed_like(mv_add(transpose, lam1, g_i), lam1), None
+    _, lam2 = carry
+    a_i, b_i, c_next = abc
+    u = transpose.mv(lam1)
+    lam = typed_like(g_i + a_i * u + b_i * lam1 - c_next * lam2, lam1)
+    dots = jnp.stack([_dot(u, x_i), _dot(lam1, x_i), -_dot(lam2, x_i)])
+    return (lam, lam1), dots
+
+
 def _adjoint_step(rev: _Reverse, carry, g_i: Array, r, tie: bool = False):
     r"""One row of the reverse pass: from $\lambda_{i+1}$ (and $\lambda_{i+2}$) and
     $g_i$, $i = r + 1$, the carry with $\lambda_i$, the vector $a_{i-1} \lambda_i$
     that the operator's gradient pairs with $x_{i-1}$, and (three-term basis) the
-    products $\langle A^\top \lambda_{i+1}, x_i\rangle$,
-    $\langle \lambda_{i+1}, x_i\rangle$ and $-\langle \lambda_{i+2}, x_i\rangle$.
-    With `tie`, $g_i$ is computed after the carry (`_zero_after`)."""
-    lam1 = _lambda(carry)
+    products of `adjoint_update`. With `tie`, $g_i$ is computed after the carry
+    (`_zero_after`)."""
     if tie:
-        g_i = g_i + _zero_after(lam1, g_i.dtype)
+        g_i = g_i + _zero_after(adjoint_vector(carry), g_i.dtype)
     if rev.rows is None:
-        lam = typed_like(mv_add(rev.transpose, lam1, g_i), lam1)
+        lam, _ = adjoint_update(rev.transpose, carry, g_i, None, None)
         return lam, lam, None
-    _, lam2 = carry
     a_next, b_next, c_next, a_prev = (v[r] for v in rev.rows)
     x_i = lax.dynamic_index_in_dim(rev.tail, r, 0, False)
-    u = rev.transpose.mv(lam1)
-    lam = typed_like(g_i + a_next * u + b_next * lam1 - c_next * lam2, lam1)
-    dots = jnp.stack([_dot(u, x_i), _dot(lam1, x_i), -_dot(lam2, x_i)])
-    return (lam, lam1), a_prev * lam, dots
+    carry, dots = adjoint_update(
+        rev.transpose, carry, g_i, x_i, (a_next, b_next, c_next)
+    )
+    return carry, a_prev * carry[0], dots
 
 
 def _first_row(rev: _Reverse, g_i: Array, r):
@@ -337,7 +361,7 @@ def _reverse_rows(rev: _Reverse, carry, start, g_rows: Array, valid=None):
         new = jtu.tree_map(lambda n, o: jnp.where(keep, n, o), new, carry)
         # From the masked carry, as a row above would see it: the unmasked
         # adjoint then dies at the mask.
-        w = _weighted(rev, _lambda(new), start + row)
+        w = _weighted(rev, adjoint_vector(new), start + row)
         w = jnp.where(keep, w, jnp.zeros_like(w))
         dots = None if dots is None else jnp.where(keep, dots, jnp.zeros_like(dots))
         return new, w, dots
@@ -422,7 +446,7 @@ def adjoint_chunks(
     rows = None if coefficients is None else _coefficient_rows(coefficients)
     # The transpose is formed once, outside the loops: a callable is linearised once.
     rev = _Reverse(operator, operator.transpose(), tail, g_tail, rows, want_operator)
-    grad = _inexact_zeros(operator) if want_operator else None
+    grad = inexact_zeros(operator) if want_operator else None
     dsum = None if rows is None else jnp.zeros((steps, 3), g_tail.dtype)
     # Outside the loops (wide vectors, the last rows), each cotangent row the
     # product adds into is tied to the vector before it (`_zero_after`), and the
@@ -466,7 +490,7 @@ def adjoint_chunks(
         carry, w, dots = _first_row(rev, g_tail[0], 0)
     else:
         carry, w, dots = _adjoint_step(rev, carry, g_tail[0], 0, tie=True)
-    lam1 = typed_like(_lambda(carry), x0)
+    lam1 = typed_like(adjoint_vector(carry), x0)
     if want_operator:
         assert grad is not None
         grad = add_param_vjp(operator, grad, x0[None], 0, typed_like(w, x0)[None])
@@ -533,7 +557,7 @@ def _tangent_steps(operator, carry, r, abc, length: int):
             t_next = typed_like(t_next, t)
             return t_next, t_next
         t_prev, t = carry
-        t_next = _step(operator, t_prev, t, abc_k)
+        t_next = forward_step(operator, t_prev, t, abc_k)
         t_next = t_next if r_k is None else typed_like(t_next + r_k, t)
         return (t, t_next), t_next
 
@@ -691,7 +715,7 @@ def _krylov_jvp(primals, tangents, *, d):
     if coefficients is not None:
         x_prev = x0 if d == 3 else jnp.zeros_like(x0) if d == 2 else stored[-2]
         abc = tuple(coef[d - 2] for coef in coefficients)
-    last = _step(operator, x_prev, x, abc)
+    last = forward_step(operator, x_prev, x, abc)
     tail = jnp.concatenate([stored, last[None]])
     t_x0 = jnp.zeros_like(x0) if t_x0 is None else t_x0
     t_operator = tangent_or_none(t_operator)
