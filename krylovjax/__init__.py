@@ -15,6 +15,10 @@ from ._funm import funm_action as funm_action, trace_funm as trace_funm
 from ._iterate import iterate as iterate
 from ._krylov import auto_method as auto_method, krylov as krylov
 from ._lanczos import Lanczos as Lanczos, lanczos as lanczos
+from ._readout import (
+    krylov_readout as krylov_readout,
+    polynomial_action as polynomial_action,
+)
 from ._spectrum import spectrum_interval as spectrum_interval
 from ._typing import OperatorLike as OperatorLike, StaticInt as StaticInt
 
@@ -33,8 +37,10 @@ __all__ = [
     "funm_action",
     "iterate",
     "krylov",
+    "krylov_readout",
     "lanczos",
     "nn",
+    "polynomial_action",
     "spectrum_interval",
     "trace_funm",
 ]

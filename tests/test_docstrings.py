@@ -28,6 +28,7 @@ CORE_MODULES = [
     "krylovjax._arnoldi",
     "krylovjax._lanczos",
     "krylovjax._funm",
+    "krylovjax._readout",
 ]
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 # Hand-written pages whose ```python blocks are doctest sessions.

@@ -1,0 +1,798 @@
+r"""Readouts of a Krylov sequence without the Krylov matrix: `krylov_readout`
+($[C x_0, \dots, C x_{d-1}]$) and `polynomial_action` ($\sum_k \theta_k x_k$).
+
+Both run the recurrence of `_scan.py`,
+$x_{k+1} = a_k A x_k + b_k x_k - c_k x_{k-1}$ ($A x_k$ for the monomial basis),
+and add the readout of each vector to the output as it is made, so the forward
+pass keeps one or two vectors and the output. What they read off is a
+`_Readout`: a piece $r_k(x_k)$ per step (`piece`), linear in $x_k$ and in the
+readout's own arrays, put into the output (`put`: a row of it, or a sum).
+
+**Reverse pass.** With $\bar y$ the output's cotangent, the vectors' cotangents
+are $g_k = r_k^\top(\bar y)$ and the adjoint recurrence is the scan's
+(`_scan.adjoint_update`), but it pairs $\lambda_{k+1}$ with $x_k$ in reverse
+order, and the $x_k$ are not stored. So the forward pass under differentiation
+keeps a *checkpoint* every $s$ steps (`checkpoint_every`; the pair
+$(x_{k-1}, x_k)$ for a three-term basis), and the reverse pass, from the last
+segment of $s$ vectors down to the first, recomputes the segment's vectors from
+its checkpoint, then runs its adjoint steps from the top: each reads $x_k$ from
+the segment, forms $g_k$ and the readout's gradient at step $k$ (one VJP of
+`piece`), $\lambda_k$, and the pairing $a_k \lambda_{k+1} x_k^\top$ of the
+operator's gradient, which for a segment whose buffers fit the scan's chunk
+policy (`_chunks.gradient_chunk`) is one batched product over the segment
+(`_chunks.add_param_vjp`: a GEMM for a dense matrix), and otherwise a product per
+step. Memory: $\lceil d/s \rceil - 1$ checkpoints and $s$ recomputed vectors
+(plus $s$ adjoint vectors where the pairing is batched), $O(\sqrt d)$ vectors at
+the default $s = \lceil\sqrt d\,\rceil$, for one extra forward pass ($d - \lceil
+d/s\rceil$ products). $s = 1$ stores every vector and recomputes nothing.
+
+**Forward and reverse mode from one rule**, as for `krylov`: a `custom_jvp`
+whose tangent is a primitive (`_tangent.tangent_primitive`), implemented by JAX's
+forward mode through the forward pass (one pass with the tangents beside the
+vectors, $O(1)$ vectors) and transposed by the reverse pass above, with the
+checkpoints as the only residual.
+"""
+
+import math
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+from jax.experimental import sparse
+from jaxtyping import Array, Inexact
+
+from ._bases import AbstractBasis, basis_coefficients
+from ._checks import (
+    as_array,
+    check_bcoo_matrix,
+    check_choice,
+    check_inexact,
+    check_size,
+    describe,
+    is_numpy_array,
+    standard_result_type,
+)
+from ._chunks import add_param_vjp, chunk_steps, gradient_chunk
+from ._krylov import check_problem
+from ._linearity import check_linear
+from ._operator import AbstractOperator, closure_convert
+from ._rules import tangent_or_none
+from ._scan import (
+    Coefficients,
+    adjoint_update,
+    adjoint_vector,
+    forward_step,
+    inexact_zeros,
+)
+from ._sharding import typed_like
+from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
+from ._typing import OperatorLike, StaticInt
+
+# ------------------------------------------------------------------- readouts
+
+
+class _Readout(eqx.Module):
+    """What a readout reads off the sequence: a piece per step, linear in the
+    vector and in the readout's arrays, put into the output."""
+
+    def params(self, k) -> Any:
+        """The arrays that step `k`'s piece reads (a pytree)."""
+        raise NotImplementedError
+
+    def piece(self, params, x: Array) -> Array:
+        raise NotImplementedError
+
+    def put(self, out: Array, k, piece: Array) -> Array:
+        raise NotImplementedError
+
+    def take(self, ct: Array, k) -> Array:
+        """The cotangent of step `k`'s piece, from the output's."""
+        raise NotImplementedError
+
+    def add_params(self, acc: Any, k, ct) -> "_Readout":
+        """`acc` (a cotangent of the readout) plus step `k`'s `ct` of `params(k)`."""
+        raise NotImplementedError
+
+    def empty(self, x0: Array, d: int) -> Array:
+        raise NotImplementedError
+
+
+class Rows(_Readout):
+    r"""$y_k = C x_k$ as row $k$ of an output `(d, *C(x).shape)`. `C` is a
+    matrix (dense or BCOO) or a closure-converted linear callable."""
+
+    C: Any
+
+    def params(self, k):
+        del k
+        return self.C
+
+    def piece(self, params, x):
+        if callable(params):
+            return params(x)
+        return params @ x.astype(params.dtype)
+
+    def put(self, out, k, piece):
+        return lax.dynamic_update_index_in_dim(out, piece.astype(out.dtype), k, 0)
+
+    def take(self, ct, k):
+        return lax.dynamic_index_in_dim(ct, k, 0, False)
+
+    def add_params(self, acc, k, ct):
+        del k
+        C = jtu.tree_map(jnp.add, acc.C, eqx.filter(ct, eqx.is_inexact_array))
+        return Rows(C)
+
+    def empty(self, x0, d):
+        piece = eqx.filter_eval_shape(self.piece, self.C, x0)
+        return jnp.zeros((d, *piece.shape), piece.dtype)
+
+
+class Sum(_Readout):
+    r"""$y = \sum_k \theta_k x_k$ for scalar `coeffs[k]`, or
+    $\sum_k x_k W_k$ for `coeffs` of shape `(d, b_in, b_out)`."""
+
+    coeffs: Array
+
+    def params(self, k):
+        return lax.dynamic_index_in_dim(self.coeffs, k, 0, False)
+
+    def piece(self, params, x):
+        x = x.astype(params.dtype)
+        return params * x if params.ndim == 0 else x @ params
+
+    def put(self, out, k, piece):
+        del k
+        return out + piece.astype(out.dtype)
+
+    def take(self, ct, k):
+        del k
+        return ct
+
+    def add_params(self, acc, k, ct):
+        row = lax.dynamic_index_in_dim(acc.coeffs, k, 0, False)
+        return Sum(lax.dynamic_update_index_in_dim(acc.coeffs, row + ct, k, 0))
+
+    def empty(self, x0, d):
+        del d
+        piece = eqx.filter_eval_shape(self.piece, self.params(0), x0)
+        return jnp.zeros(piece.shape, piece.dtype)
+
+
+# -------------------------------------------------------------- forward pass
+
+
+class _Plan(eqx.Module):
+    """The static shape of one run: `d` vectors in `count` segments of `every`
+    (the last one `last` long)."""
+
+    d: int = eqx.field(static=True)
+    every: int = eqx.field(static=True)
+
+    @property
+    def count(self) -> int:
+        return -(-self.d // self.every)
+
+    @property
+    def last(self) -> int:
+        return self.d - (self.count - 1) * self.every
+
+
+def default_every(d: int) -> int:
+    """The default checkpoint spacing, $\\lceil\\sqrt d\\,\\rceil$."""
+    return max(1, math.isqrt(d - 1) + 1) if d > 1 else 1
+
+
+def _padded(coefficients: Coefficients | None, d: int):
+    r"""$(a_k, b_k, c_k)$ and $c_{k+1}$ for $k = 0, \dots, d - 1$, zero where the
+    basis has none: the forward step reads $(a_k, b_k, c_k)$, the reverse step
+    $(a_k, b_k, c_{k+1})$."""
+    if coefficients is None:
+        return None
+    a, b, c = coefficients
+    zero = jnp.zeros((1,), a.dtype)
+    a, b, c_next = (jnp.concatenate([v, zero]) for v in (a, b, c[1:]))
+    c_next = jnp.concatenate([c_next, zero])[:d]
+    c = jnp.concatenate([c, zero])
+    return a, b, c, c_next
+
+
+def _current(state) -> Array:
+    return state if isinstance(state, jax.Array) else state[1]
+
+
+def _advance(operator: AbstractOperator, state, padded, k):
+    """The state at vector `k + 1` from that at `k`."""
+    if padded is None:
+        return forward_step(operator, None, state, None)
+    x_prev, x = state
+    abc = tuple(lax.dynamic_index_in_dim(v, k, 0, False) for v in padded[:3])
+    return x, forward_step(operator, x_prev, x, abc)
+
+
+def _run(operator, readout: _Readout, padded, state, out, lo, length, advance):
+    """Vectors `lo .. lo + length - 1` from `state` (at `lo`), each read into
+    `out`; with `advance`, the state at `lo + length` too (else `state` is
+    returned as it was)."""
+
+    def body(carry, j):
+        state, out = carry
+        k = lo + j
+        out = readout.put(out, k, readout.piece(readout.params(k), _current(state)))
+        return (_advance(operator, state, padded, k), out), None
+
+    start = state
+    (state, out), _ = lax.scan(body, (state, out), jnp.arange(length - 1))
+    k = lo + length - 1
+    out = readout.put(out, k, readout.piece(readout.params(k), _current(state)))
+    if advance:
+        return _advance(operator, state, padded, k), out
+    return start, out
+
+
+def _first_state(x0: Array, padded):
+    return x0 if padded is None else (jnp.zeros_like(x0), x0)
+
+
+def readout_forward(
+    operator: AbstractOperator,
+    x0: Array,
+    readout: _Readout,
+    coefficients: Coefficients | None,
+    plan: _Plan,
+    keep: bool,
+):
+    """The output, and with `keep` the checkpoints: the states at vectors
+    `every, 2 every, ...` (`None` without `keep`)."""
+    padded = _padded(coefficients, plan.d)
+    out = readout.empty(x0, plan.d)
+    state = _first_state(x0, padded)
+    checkpoints = None
+    if plan.count > 1:
+        every = plan.every
+        stack = jtu.tree_map(
+            lambda v: jnp.zeros((plan.count - 1, *v.shape), v.dtype), state
+        )
+
+        def segment(carry, c):
+            state, out, stack = carry
+            state, out = _run(
+                operator, readout, padded, state, out, c * every, every, True
+            )
+            if keep:
+                stack = jtu.tree_map(
+                    lambda s, v: lax.dynamic_update_index_in_dim(s, v, c, 0),
+                    stack,
+                    state,
+                )
+            return (state, out, stack), None
+
+        carry = (state, out, stack if keep else None)
+        (state, out, stack), _ = lax.scan(segment, carry, jnp.arange(plan.count - 1))
+        checkpoints = stack
+    lo = (plan.count - 1) * plan.every
+    _, out = _run(operator, readout, padded, state, out, lo, plan.last, False)
+    return out, checkpoints
+
+
+# -------------------------------------------------------------- reverse pass
+
+
+class _Adjoint(eqx.Module):
+    """What every step of one reverse pass reads."""
+
+    operator: AbstractOperator
+    transpose: AbstractOperator
+    readout: _Readout
+    padded: tuple | None
+    ct: Array
+    want_operator: bool = eqx.field(static=True)
+    want_readout: bool = eqx.field(static=True)
+    # Whether a segment's pairings are one batched product (else one per step).
+    batched: bool = eqx.field(static=True)
+
+
+def _recompute(adj: _Adjoint, state, lo, length: int) -> Array:
+    """The segment's vectors `lo .. lo + length - 1` from its state at `lo`."""
+    first = _current(state)
+    stack = jnp.broadcast_to(jnp.zeros_like(first)[None], (length, *first.shape))
+    stack = lax.dynamic_update_index_in_dim(stack, first, 0, 0)
+
+    def body(j, carry):
+        state, stack = carry
+        state = _advance(adj.operator, state, adj.padded, lo + j)
+        return state, lax.dynamic_update_index_in_dim(stack, _current(state), j + 1, 0)
+
+    return lax.fori_loop(0, length - 1, body, (state, stack))[1]
+
+
+def _reverse_segment(adj: _Adjoint, acc, state, lo, length: int):
+    """The adjoint steps of vectors `lo + length - 1` down to `lo`.
+
+    `acc` is `(carry, grad, ct_readout, dsum)`: the adjoint carry at vector
+    `lo + length` ($\\lambda$, or the pair of a three-term basis), the running
+    gradients of the operator and of the readout (`None` when not wanted), and
+    the coefficients' products per vector (`None` for the monomial basis)."""
+    xs = _recompute(adj, state, lo, length)
+
+    def step(j, acc):
+        carry, grad, ct_readout, dsum, ws = acc
+        row = length - 1 - j
+        k = lo + row
+        x = lax.dynamic_index_in_dim(xs, row, 0, False)
+        params = adj.readout.params(k)
+        ct_piece = adj.readout.take(adj.ct, k)
+        if adj.want_readout:
+            _, vjp = eqx.filter_vjp(adj.readout.piece, params, x)
+            ct_params, g = vjp(ct_piece)
+            ct_readout = adj.readout.add_params(ct_readout, k, ct_params)
+        else:
+            _, vjp = eqx.filter_vjp(lambda x: adj.readout.piece(params, x), x)
+            (g,) = vjp(ct_piece)
+        g = typed_like(g.astype(x.dtype), x)
+        lam1 = adjoint_vector(carry)
+        abc = None
+        w = lam1
+        if adj.padded is not None:
+            a, b, _, c_next = (
+                lax.dynamic_index_in_dim(v, k, 0, False) for v in adj.padded
+            )
+            abc = (a, b, c_next)
+            w = a * lam1
+        carry, dots = adjoint_update(adj.transpose, carry, g, x, abc)
+        if adj.want_operator:
+            if adj.batched:
+                ws = lax.dynamic_update_index_in_dim(ws, w, row, 0)
+            else:
+                grad = add_param_vjp(adj.operator, grad, x[None], 0, w[None])
+        if dots is not None:
+            dsum = lax.dynamic_update_index_in_dim(dsum, dots, k, 0)
+        return carry, grad, ct_readout, dsum, ws
+
+    carry, grad, ct_readout, dsum = acc
+    ws = jnp.zeros_like(xs) if adj.want_operator and adj.batched else None
+    carry, grad, ct_readout, dsum, ws = lax.fori_loop(
+        0, length, step, (carry, grad, ct_readout, dsum, ws)
+    )
+    if ws is not None:
+        grad = add_param_vjp(adj.operator, grad, xs, 0, ws)
+    return carry, grad, ct_readout, dsum
+
+
+def readout_adjoint(
+    operator: AbstractOperator,
+    x0: Array,
+    readout: _Readout,
+    coefficients: Coefficients | None,
+    checkpoints,
+    ct: Array,
+    plan: _Plan,
+    want_operator: bool,
+    want_readout: bool,
+):
+    """The cotangents of `x0`, the operator (`None` unless `want_operator`), the
+    readout (`None` unless `want_readout`) and the coefficients (`None` without
+    them) for the output's cotangent `ct`."""
+    padded = _padded(coefficients, plan.d)
+    most = chunk_steps(x0, gradient_chunk(operator, x0.size))
+    adj = _Adjoint(
+        operator,
+        operator.transpose(),
+        readout,
+        padded,
+        ct,
+        want_operator,
+        want_readout,
+        batched=plan.every <= most,
+    )
+    zeros = jnp.zeros_like(x0)
+    carry = zeros if padded is None else (zeros, zeros)
+    grad = inexact_zeros(operator) if want_operator else None
+    ct_readout = inexact_zeros(readout) if want_readout else None
+    dsum = None if padded is None else jnp.zeros((plan.d, 3), x0.dtype)
+    acc = (carry, grad, ct_readout, dsum)
+    first = _first_state(x0, padded)
+
+    def state_at(c):
+        """The state at segment `c`'s first vector."""
+        if checkpoints is None:
+            return first
+        at = jtu.tree_map(
+            lambda s: lax.dynamic_index_in_dim(s, jnp.maximum(c - 1, 0), 0, False),
+            checkpoints,
+        )
+        return jtu.tree_map(lambda a, f: jnp.where(c == 0, f, a), at, first)
+
+    top = plan.count - 1
+    acc = _reverse_segment(adj, acc, state_at(top), top * plan.every, plan.last)
+    if top:
+
+        def segment(acc, c):
+            return _reverse_segment(
+                adj, acc, state_at(c), c * plan.every, plan.every
+            ), None
+
+        acc, _ = lax.scan(segment, acc, jnp.arange(top), reverse=True)
+    carry, grad, ct_readout, dsum = acc
+    ct_x0 = typed_like(adjoint_vector(carry), x0)
+    ct_coefficients = None
+    if dsum is not None:
+        d = plan.d
+        zero = jnp.zeros((1,), dsum.dtype)
+        ct_coefficients = (
+            dsum[: d - 1, 0],
+            dsum[: d - 1, 1],
+            jnp.concatenate([zero, dsum[: max(d - 2, 0), 2]])[: d - 1],
+        )
+    return ct_x0, grad, ct_readout, ct_coefficients
+
+
+# -------------------------------------------------------------- the rule
+
+
+def _filled(primal, tangent):
+    """`tangent` with zeros for its `None` leaves (where `primal` has an inexact
+    array); zeros like `primal` for a `None` tangent."""
+    if tangent is None:
+        return inexact_zeros(primal)
+    return jtu.tree_map(
+        lambda p, t: jnp.zeros_like(p) if t is None and eqx.is_inexact_array(p) else t,
+        primal,
+        tangent,
+        is_leaf=lambda v: v is None,
+    )
+
+
+def _tangent_impl(
+    operator,
+    x0,
+    readout,
+    coefficients,
+    checkpoints,
+    plan,
+    like,
+    t_operator,
+    t_x0,
+    t_readout,
+    t_coefficients,
+):
+    """JAX's forward mode through the forward pass, in the arguments that have a
+    tangent (the others are closed over, so no product with a zero tangent is
+    made)."""
+    del checkpoints, like
+    primals = (operator, x0, readout, coefficients)
+    tangents = (t_operator, t_x0, t_readout, t_coefficients)
+    moving = [i for i, t in enumerate(tangents) if jtu.tree_leaves(t)]
+
+    def value(*parts):
+        full = list(primals)
+        for i, part in zip(moving, parts, strict=True):
+            full[i] = part
+        operator, x0, readout, coefficients = full
+        return readout_forward(operator, x0, readout, coefficients, plan, False)[0]
+
+    if not moving:
+        out = jax.eval_shape(value)
+        return jnp.zeros(out.shape, out.dtype)
+    return eqx.filter_jvp(
+        value,
+        tuple(primals[i] for i in moving),
+        tuple(_filled(primals[i], tangents[i]) for i in moving),
+    )[1]
+
+
+def _tangent_transpose(inputs, ct):
+    (
+        operator,
+        x0,
+        readout,
+        coefficients,
+        checkpoints,
+        plan,
+        like,
+        t_operator,
+        t_x0,
+        t_readout,
+        t_coefficients,
+    ) = inputs
+    want_operator = is_tangent(t_operator)
+    want_readout = is_tangent(t_readout)
+    ct_x0, ct_operator, ct_readout, ct_coefficients = readout_adjoint(
+        operator,
+        x0,
+        readout,
+        coefficients,
+        checkpoints,
+        ct,
+        plan,
+        want_operator,
+        want_readout,
+    )
+    if ct_coefficients is None or t_coefficients is None:
+        ct_coefficients = nones(t_coefficients)
+    else:
+        ct_coefficients = tuple(
+            c if is_tangent(t) else None
+            for t, c in zip(t_coefficients, ct_coefficients, strict=True)
+        )
+    return (
+        nones(operator),
+        nones(x0),
+        nones(readout),
+        nones(coefficients),
+        nones(checkpoints),
+        nones(plan),
+        nones(like),
+        like_tangent(t_operator, ct_operator) if want_operator else nones(t_operator),
+        ct_x0 if is_tangent(t_x0) else None,
+        like_tangent(t_readout, ct_readout) if want_readout else nones(t_readout),
+        ct_coefficients,
+    )
+
+
+# Arguments: (operator, x0, readout, coefficients, checkpoints, plan, like,
+# t_operator, t_x0, t_readout, t_coefficients); the output is like `like`, a
+# `jax.ShapeDtypeStruct` of the output.
+readout_tangent = tangent_primitive(
+    "readout_tangent", _tangent_impl, _tangent_transpose, like=6
+)
+
+
+@eqx.filter_custom_jvp
+def _readout(operator, x0, readout, coefficients, *, plan):
+    return readout_forward(operator, x0, readout, coefficients, plan, False)[0]
+
+
+@_readout.def_jvp
+def _readout_jvp(primals, tangents, *, plan):
+    operator, x0, readout, coefficients = primals
+    t_operator, t_x0, t_readout, t_coefficients = tangents
+    out, checkpoints = readout_forward(operator, x0, readout, coefficients, plan, True)
+    like = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    if coefficients is not None and t_coefficients is None:
+        t_coefficients = (None, None, None)
+    if t_coefficients is not None:
+        t_coefficients = tuple(t_coefficients)
+    t_out = readout_tangent(
+        operator,
+        x0,
+        readout,
+        coefficients,
+        checkpoints,
+        plan,
+        like,
+        tangent_or_none(t_operator),
+        t_x0,
+        tangent_or_none(t_readout),
+        t_coefficients,
+    )
+    return out, t_out
+
+
+def readout(
+    operator: AbstractOperator,
+    x0: Array,
+    readout: _Readout,
+    coefficients: Coefficients | None,
+    d: int,
+    every: int,
+) -> Array:
+    """The readout of the `d` vectors, differentiable in both modes."""
+    return _readout(operator, x0, readout, coefficients, plan=_Plan(d, every))
+
+
+# ------------------------------------------------------------ the public API
+
+
+def _check_every(checkpoint_every: Any, d: int, fn_name: str) -> int:
+    if checkpoint_every is None:
+        return default_every(d)
+    every = check_size(checkpoint_every, f"{fn_name}(checkpoint_every=...)")
+    return min(every, d)
+
+
+def _coefficients(basis, d: int, x0: Array, fn_name: str):
+    if basis is None:
+        return None
+    return basis_coefficients(basis, d, x0.dtype, fn_name)
+
+
+def _as_readout_matrix(C: Any, x0: Array, fn_name: str) -> Any:
+    """`C` as a `(p, n)` matrix of `x0`'s dtype promoted with its own, or a
+    closure-converted linear callable; checked."""
+    arg = f"{fn_name}(C=...)"
+    n = x0.shape[0]
+    if isinstance(C, sparse.BCOO) or isinstance(C, jax.Array) or is_numpy_array(C):
+        if len(C.shape) != 2 or C.shape[1] != n:
+            msg = (
+                f"`{arg}` must be a matrix of shape (p, {n}), p readouts of vectors "
+                f"of x0's length {n}; got shape {tuple(C.shape)}."
+            )
+            raise ValueError(msg)
+        if isinstance(C, sparse.BCOO):
+            check_bcoo_matrix(C, arg)
+            check_inexact(C.data, arg)
+            dtype = standard_result_type(C.data, x0)
+            return sparse.BCOO((C.data.astype(dtype), C.indices), shape=C.shape)
+        check_inexact(C, arg)
+        C = jnp.asarray(C)
+        return C.astype(standard_result_type(C, x0))
+    if callable(C):
+        fn = closure_convert(C, x0)
+        out = jax.eval_shape(fn, x0)
+        if not isinstance(out, jax.ShapeDtypeStruct) or out.ndim == 0:
+            msg = (
+                f"`{arg}` must be a (p, {n}) matrix or a linear callable that maps "
+                f"arrays like x0 to one array with at least one axis; it returned "
+                f"{out}."
+            )
+            raise TypeError(msg)
+        check_linear(fn, x0, arg)
+        return fn
+    msg = (
+        f"`{arg}` must be a (p, {n}) matrix (a JAX or NumPy array, or a BCOO "
+        f"matrix) or a linear callable; got {describe(C)}."
+    )
+    raise TypeError(msg)
+
+
+def krylov_readout(
+    A: OperatorLike,
+    x0: Inexact[Array | np.ndarray, "n ..."],
+    d: StaticInt,
+    C: Any,
+    *,
+    basis: AbstractBasis | None = None,
+    layout: Literal["columns", "rows"] = "columns",
+    checkpoint_every: StaticInt | None = None,
+) -> Inexact[Array, "..."]:
+    r"""The readout $[C x_0, C x_1, \dots, C x_{d-1}]$ of a Krylov sequence,
+    $x_k = A^k x_0$ (or $p_k(A) x_0$ in a polynomial `basis`), without the Krylov
+    matrix.
+
+    It is `C @ krylov(A, x0, d, basis=basis)` (for a matrix `C`; for a vector
+    `x0`), but the $d$ vectors are never stored: each is read out as it is made, so
+    the forward pass keeps one vector (two for a polynomial basis) and the output.
+    An SSM kernel $\bar K_l = C \bar A^l \bar B$ (S4's "Krylov function") is
+    `krylov_readout(A_bar, B_bar, L, C, layout="rows")`.
+
+    **Derivatives.** One rule for forward and reverse mode, like
+    [`krylovjax.krylov`][]'s default: `jax.jvp`, `jax.grad`, `jax.vjp`,
+    `jax.linearize`, `jax.jacfwd`, `jax.hessian`. Gradients reach the arrays of
+    `A`, `x0`, `C` and the basis. Reverse mode needs the $x_k$ in reverse order;
+    it keeps a checkpoint every `checkpoint_every` vectors in the forward pass and
+    recomputes each segment of vectors from its checkpoint on the way back (see the
+    docs' adjoint page): with $s$ = `checkpoint_every`, it holds
+    $\lceil d/s\rceil - 1$ checkpoints (pairs of vectors for a polynomial basis)
+    and $2s$ vectors of a segment, at the cost of one more forward pass. Forward
+    mode runs the tangents beside the vectors and keeps $O(1)$ vectors.
+
+    **Arguments:**
+
+    - `A`: the operator, any kind [`krylovjax.krylov`][] accepts: a square array,
+        a BCOO matrix, or a linear callable.
+    - `x0`: the starting vector `(n,)` or block `(n, b)` (any shape for a callable
+        `A`), floating point or complex; promoted with `A` as in `krylov`.
+    - `d`: the number of vectors read out, a static `int >= 1`.
+    - `C`: the readout: a `(p, n)` matrix (a JAX or NumPy array, or a BCOO matrix;
+        promoted with `x0`'s dtype), so that each readout is `C @ x_k`; or a linear
+        callable mapping arrays like `x0` to an array with at least one axis (a
+        nonlinear or affine one raises a `TypeError`).
+    - `basis`: `None` (the monomial basis) or a polynomial basis such as
+        [`krylovjax.Chebyshev`][], as in `krylov`.
+    - `layout`: `"columns"` (default) puts the new axis of length $d$ after the
+        readout's first axis, `(p, d)` or `(p, d, b)`, like `C @ krylov(...)`;
+        `"rows"` puts it first, `(d, p, ...)`.
+    - `checkpoint_every`: the spacing $s$ of the reverse pass's checkpoints, a
+        static `int >= 1` (values above $d$ count as $d$). `None` (default):
+        $\lceil\sqrt d\,\rceil$, which holds $O(\sqrt d)$ vectors. `1` stores
+        every vector and recomputes nothing (the memory of `C @ krylov(...)`,
+        without its time); $d$ stores none but `x0`, and recomputes all.
+
+    **Returns:**
+
+    The readouts, of `C`'s output dtype, with the axis of length $d$ placed by
+    `layout`.
+
+    !!! Example
+
+        ```python
+        >>> import jax, jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.array([[0.5, 1.0], [0.0, 0.5]])
+        >>> x0 = jnp.array([0.0, 1.0])
+        >>> C = jnp.array([[1.0, 0.0]])
+        >>> krylovjax.krylov_readout(A, x0, 4, C)
+        Array([[0.  , 1.  , 1.  , 0.75]], dtype=float32)
+        >>> grad = jax.grad(lambda A: krylovjax.krylov_readout(A, x0, 4, C).sum())(A)
+        >>> bool(jnp.allclose(grad, jax.grad(
+        ...     lambda A: (C @ krylovjax.krylov(A, x0, 4)).sum())(A)))
+        True
+
+        ```
+    """
+    fn_name = "krylov_readout"
+    check_choice(layout, ("columns", "rows"), f"{fn_name}(layout=...)")
+    operator, x0, d = check_problem(A, x0, d, fn_name)
+    coefficients = _coefficients(basis, d, x0, fn_name)
+    every = _check_every(checkpoint_every, d, fn_name)
+    rows = Rows(_as_readout_matrix(C, x0, fn_name))
+    out = readout(operator, x0, rows, coefficients, d, every)
+    return out if layout == "rows" else jnp.moveaxis(out, 0, 1)
+
+
+def polynomial_action(
+    A: OperatorLike,
+    x0: Inexact[Array | np.ndarray, "n ..."],
+    coeffs: Inexact[Array | np.ndarray, "d ..."],
+    *,
+    basis: AbstractBasis | None = None,
+    checkpoint_every: StaticInt | None = None,
+) -> Inexact[Array, "..."]:
+    r"""The polynomial $\sum_{k=0}^{d-1} \theta_k\, p_k(A)\, x_0$ applied to $x_0$,
+    or with a matrix per degree, $\sum_k p_k(A)\, X_0\, W_k$, without the Krylov
+    matrix.
+
+    With $p_k(\lambda) = \lambda^k$ (the default) it is
+    `jnp.tensordot(coeffs, krylov(A, x0, d, layout="rows"), 1)`; with
+    `basis=krylovjax.Chebyshev(lo, hi)` a Chebyshev series, and so on. Per-degree
+    matrices `W_k` mix channels as a polynomial graph filter does (TAGConv,
+    ChebConv: $\sum_k T_k(\tilde L) X W_k$). The vectors are summed into the
+    output as they are made, so the forward pass keeps one vector (two for a
+    polynomial basis) besides the output; derivatives and memory are as for
+    [`krylovjax.krylov_readout`][], whose `checkpoint_every` this takes too.
+
+    **Arguments:**
+
+    - `A`, `x0`, `basis`, `checkpoint_every`: as for `krylov_readout`.
+    - `coeffs`: the coefficients, shape `(d,)` (one number per degree; any `x0`)
+        or `(d, b_in, b_out)` for an `x0` of shape `(n, b_in)` (one matrix per
+        degree). Their length is the number of terms $d \ge 1$. Floating point or
+        complex; the output has the dtype of `x0` (promoted with `A`) promoted
+        with theirs.
+
+    **Returns:**
+
+    An array of `x0`'s shape for coefficients of shape `(d,)`; of shape
+    `(n, b_out)` for `(d, b_in, b_out)`.
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.diag(jnp.array([0.5, -0.5]))
+        >>> x0 = jnp.ones(2)
+        >>> # T_0 + T_2 at 0.5 and -0.5: 1 + (2 * 0.25 - 1) = 0.5
+        >>> krylovjax.polynomial_action(A, x0, jnp.array([1.0, 0.0, 1.0]),
+        ...                             basis=krylovjax.Chebyshev(-1.0, 1.0))
+        Array([0.5, 0.5], dtype=float32)
+
+        ```
+    """
+    fn_name = "polynomial_action"
+    arg = f"{fn_name}(coeffs=...)"
+    coeffs = as_array(coeffs, arg)
+    check_inexact(coeffs, arg)
+    if coeffs.ndim not in (1, 3) or coeffs.shape[0] < 1:
+        msg = (
+            f"`{arg}` must have shape (d,) or (d, b_in, b_out) with d >= 1; got "
+            f"shape {coeffs.shape}."
+        )
+        raise ValueError(msg)
+    d = coeffs.shape[0]
+    operator, x0, d = check_problem(A, x0, d, fn_name)
+    if coeffs.ndim == 3 and (x0.ndim != 2 or x0.shape[1] != coeffs.shape[1]):
+        msg = (
+            f"`{arg}` of shape (d, b_in, b_out) = {coeffs.shape} needs `x0` of shape "
+            f"(n, {coeffs.shape[1]}); got x0 of shape {x0.shape}."
+        )
+        raise ValueError(msg)
+    coefficients = _coefficients(basis, d, x0, fn_name)
+    every = _check_every(checkpoint_every, d, fn_name)
+    coeffs = coeffs.astype(standard_result_type(coeffs, x0))
+    return readout(operator, x0, Sum(coeffs), coefficients, d, every)

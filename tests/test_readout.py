@@ -1,0 +1,369 @@
+"""Tests of `krylov_readout` and `polynomial_action`.
+
+Values and derivatives (VJP and JVP) are compared with the materialising path,
+`C @ krylov(...)` and a `tensordot` with `krylov(...)`, differentiated by plain
+autodiff (`adjoint="autodiff"`), in float64; then against finite differences and a
+closed form on a diagonal matrix. The compiled memory of the reverse pass shows
+that the readout's own rule runs (autodiff through its loops would keep every
+vector).
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import (
+    KINDS,
+    check_finite_differences,
+    make_operator,
+    random_array,
+    random_like,
+    random_matrix,
+    temp_bytes,
+    unchecked,
+    value_vjp_jvp,
+)
+from jax.experimental import sparse
+
+import krylovjax
+
+N = 6
+BASES = {
+    "monomial": None,
+    "chebyshev": lambda p: krylovjax.Chebyshev(p["lo"], p["hi"]),
+    "three_term": lambda p: krylovjax.ThreeTerm(p["a"], p["b"], p["c"]),
+}
+
+
+def _basis_params(d, dtype=jnp.float64):
+    """The differentiable arrays of each basis at depth `d`."""
+    return {
+        "lo": jnp.asarray(-1.3, dtype),
+        "hi": jnp.asarray(1.1, dtype),
+        "a": jnp.linspace(0.9, 1.2, d).astype(dtype),
+        "b": jnp.linspace(-0.1, 0.1, d).astype(dtype),
+        "c": jnp.linspace(0.2, 0.4, d).astype(dtype),
+    }
+
+
+def _both_paths(kind, basis, d, every, C_form="dense"):
+    """`(readout, materialised)`: two functions of `(params, x0, C, coeffs,
+    basis_params)` returning `(krylov_readout(...), polynomial_action(...))`, the
+    second through `krylov` and plain autodiff."""
+    make = BASES[basis]
+
+    def build_C(C):
+        if C_form == "callable":
+            return lambda x: jnp.tensordot(C, x, 1)
+        return C
+
+    def readout(build, params, x0, C, coeffs, bp):
+        A = build(params)
+        b = None if make is None else make(bp)
+        y = krylovjax.krylov_readout(
+            A, x0, d, build_C(C), basis=b, checkpoint_every=every
+        )
+        z = krylovjax.polynomial_action(A, x0, coeffs, basis=b, checkpoint_every=every)
+        return y, z
+
+    def materialised(build, params, x0, C, coeffs, bp):
+        A = build(params)
+        b = None if make is None else make(bp)
+        X = krylovjax.krylov(A, x0, d, basis=b, adjoint="autodiff")
+        y = jnp.tensordot(C, X, 1)
+        rows = jnp.moveaxis(X, 1, 0)
+        if coeffs.ndim == 1:
+            z = jnp.tensordot(coeffs, rows, 1)
+        else:
+            z = jnp.einsum("knb,kbc->nc", rows, coeffs)
+        return y, z
+
+    return readout, materialised
+
+
+def _compare(kind, basis, d, every, block=None, mixing=False, seed=0, **kw):
+    """Values, VJPs and JVPs of both paths at one random point, in one program."""
+    keys = jr.split(jr.key(seed), 8)
+    A = random_matrix(keys[0], N, jnp.float64)
+    params, build = make_operator(kind, A)
+    shape = (N,) if block is None else (N, block)
+    x0 = random_array(keys[1], shape, jnp.float64)
+    C = random_array(keys[2], (3, N), jnp.float64)
+    coeffs_shape = (d, block, 2) if mixing else (d,)
+    coeffs = random_array(keys[3], coeffs_shape, jnp.float64)
+    bp = _basis_params(d)
+    args = (params, x0, C, coeffs, bp)
+    readout, materialised = _both_paths(kind, basis, d, every, **kw)
+    out = jax.eval_shape(lambda *a: materialised(build, *a), *args)
+    ct = random_like(keys[4], out)
+    tangents = random_like(keys[5], args)
+
+    @jax.jit
+    def run(args, tangents, ct):
+        return [
+            value_vjp_jvp(lambda *a, f=f: f(build, *a), args, tangents, ct)
+            for f in (readout, materialised)
+        ]
+
+    got, want = run(args, tangents, ct)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        scale = max(1.0, float(jnp.max(jnp.abs(w))))
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12 * scale)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("basis", list(BASES))
+def test_matches_materialising_path(kind, basis):
+    # d = 7 (a prime) in checkpoint segments of 3: two full segments and one of 1.
+    block = 2 if basis == "chebyshev" else None
+    _compare(kind, basis, d=7, every=3, block=block)
+
+
+@pytest.mark.parametrize(
+    ("d", "every"), [(1, None), (2, None), (2, 1), (9, 1), (9, 9), (9, 40)]
+)
+def test_depths_and_checkpoint_spacings(d, every):
+    _compare("dense", "three_term", d, every)
+
+
+def test_mixing_coefficients_and_callable_readout():
+    # `(d, b_in, b_out)` coefficients on a block, and `C` as a linear callable.
+    _compare("bcoo", "chebyshev", 5, 2, block=3, mixing=True, C_form="callable")
+
+
+def test_long_sequence():
+    # d = 10^4 at the default spacing of 100, n = 4.
+    d = 10_000
+    A = jnp.diag(jnp.array([0.999, -0.5, 0.3, 0.9995]))
+    x0 = jnp.array([1.0, 2.0, -1.0, 0.5])
+    C = jnp.array([[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, -1.0]])
+    coeffs = jnp.cos(jnp.arange(d, dtype=jnp.float64) / 100)
+    basis = krylovjax.Chebyshev(-1.0, 1.0)
+
+    def readout(A, x0, C, coeffs):
+        y = krylovjax.krylov_readout(A, x0, d, C, basis=basis)
+        z = krylovjax.polynomial_action(A, x0, coeffs, basis=basis)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(z**2)
+
+    def materialised(A, x0, C, coeffs):
+        X = krylovjax.krylov(A, x0, d, basis=basis, adjoint="autodiff")
+        return jnp.sum(jnp.sin(C @ X)) + jnp.sum((X @ coeffs) ** 2)
+
+    args = (A, x0, C, coeffs)
+    got, want = jax.jit(
+        lambda a: [
+            jax.value_and_grad(f, argnums=(0, 1, 2, 3))(*a)
+            for f in (readout, materialised)
+        ]
+    )(args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
+
+
+def test_complex():
+    key_a, key_x, key_c = jr.split(jr.key(1), 3)
+    A = random_matrix(key_a, N, jnp.complex128)
+    x0 = random_array(key_x, (N,), jnp.complex128)
+    C = random_array(key_c, (2, N), jnp.complex128)
+    coeffs = jnp.array([1.0, 0.5j, -0.25, 0.1 + 0.2j])
+
+    def loss(f):
+        return lambda A, x0, C, coeffs: jnp.sum(jnp.abs(f(A, x0, C, coeffs)) ** 2)
+
+    def readout(A, x0, C, coeffs):
+        y = krylovjax.krylov_readout(A, x0, 4, C, checkpoint_every=2)
+        z = krylovjax.polynomial_action(A, x0, coeffs, checkpoint_every=3)
+        return jnp.concatenate([y.ravel(), z])
+
+    def materialised(A, x0, C, coeffs):
+        X = krylovjax.krylov(A, x0, 4, adjoint="autodiff")
+        return jnp.concatenate([(C @ X).ravel(), X @ coeffs])
+
+    args = (A, x0, C, coeffs)
+    for got, want in zip(
+        jax.grad(loss(readout), argnums=(0, 1, 2, 3))(*args),
+        jax.grad(loss(materialised), argnums=(0, 1, 2, 3))(*args),
+        strict=True,
+    ):
+        assert got.dtype == jnp.complex128
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_finite_differences_and_second_order():
+    key_a, key_x, key_c = jr.split(jr.key(2), 3)
+    A = random_matrix(key_a, 5, jnp.float64)
+    x0 = random_array(key_x, (5,), jnp.float64)
+    C = random_array(key_c, (2, 5), jnp.float64)
+    coeffs = jnp.array([0.5, -1.0, 0.25, 2.0, 0.1, -0.3])
+    lo, hi = jnp.asarray(-1.5, jnp.float64), jnp.asarray(1.2, jnp.float64)
+
+    def f(A, x0, C, coeffs, lo, hi):
+        basis = krylovjax.Chebyshev(lo, hi)
+        y = krylovjax.krylov_readout(A, x0, 6, C, basis=basis, checkpoint_every=4)
+        z = krylovjax.polynomial_action(A, x0, coeffs, basis=basis)
+        return jnp.concatenate([jnp.sin(y).ravel(), z])
+
+    args = (A, x0, C, coeffs, lo, hi)
+    check_finite_differences(
+        f,
+        jax.jit(lambda *a: value_vjp_jvp(f, *a)),
+        args,
+        eps=1e-6,
+        atol=1e-6,
+        rtol=1e-6,
+    )
+
+    # Second order: the Hessian in the coefficients and A, forward over reverse.
+    def loss(f):
+        return lambda coeffs, A: jnp.sum(f(A, x0, C, coeffs, lo, hi) ** 3)
+
+    def g(A, x0, C, coeffs, lo, hi):
+        X = krylovjax.krylov(A, x0, 6, basis=krylovjax.Chebyshev(lo, hi))
+        return jnp.concatenate([jnp.sin(C @ X).ravel(), X @ coeffs])
+
+    got = jax.jit(jax.hessian(loss(f), argnums=(0, 1)))(coeffs, A)
+    want = jax.jit(jax.hessian(loss(g), argnums=(0, 1)))(coeffs, A)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_closed_form_on_a_diagonal_matrix():
+    # On A = diag(lam), sum_k theta_k T_k(A) x0 is chebval(lam, theta) * x0, with
+    # derivative chebval(lam, chebder(theta)) * x0 in lam, T_k(lam) * x0 in theta_k.
+    lam = np.array([-0.9, -0.2, 0.4, 0.95])
+    x0 = np.array([1.0, -2.0, 0.5, 3.0])
+    theta = np.array([0.3, -1.0, 0.5, 0.25, -0.125])
+    basis = krylovjax.Chebyshev(-1.0, 1.0)
+
+    def total(lam, theta):
+        y = krylovjax.polynomial_action(jnp.diag(lam), x0, theta, basis=basis)
+        return jnp.sum(y)
+
+    value, (d_lam, d_theta) = jax.value_and_grad(total, argnums=(0, 1))(lam, theta)
+    cheb = np.polynomial.chebyshev
+    np.testing.assert_allclose(value, np.sum(cheb.chebval(lam, theta) * x0), rtol=1e-13)
+    np.testing.assert_allclose(
+        d_lam, cheb.chebval(lam, cheb.chebder(theta)) * x0, rtol=1e-12
+    )
+    T = cheb.chebvander(lam, len(theta) - 1)  # (4, d): T_k(lam_i)
+    np.testing.assert_allclose(d_theta, T.T @ x0, rtol=1e-12)
+
+
+def test_vmap():
+    keys = jr.split(jr.key(3), 4)
+    As = jax.vmap(lambda k: random_matrix(k, N, jnp.float64))(jr.split(keys[0], 3))
+    x0s = random_array(keys[1], (3, N), jnp.float64)
+    C = random_array(keys[2], (2, N), jnp.float64)
+    coeffs = random_array(keys[3], (3, 5), jnp.float64)
+
+    def readout(A, x0, coeffs):
+        y = krylovjax.krylov_readout(A, x0, 5, C, checkpoint_every=2)
+        return y, krylovjax.polynomial_action(A, x0, coeffs, checkpoint_every=2)
+
+    def materialised(A, x0, coeffs):
+        X = krylovjax.krylov(A, x0, 5, adjoint="autodiff")
+        return C @ X, X @ coeffs
+
+    def grads(f):
+        return jax.grad(lambda *a: sum(jnp.sum(jnp.sin(y)) for y in f(*a)), (0, 1, 2))
+
+    for axes in [(0, 0, 0), (None, 0, None), (0, None, 0)]:
+        args = [
+            v if ax == 0 else v[0]
+            for v, ax in zip((As, x0s, coeffs), axes, strict=True)
+        ]
+        got = jax.vmap(grads(readout), in_axes=axes)(*args)
+        want = jax.vmap(grads(materialised), in_axes=axes)(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_sparse_readout_matrix_and_rows_layout():
+    A = jnp.diag(jnp.array([0.5, -0.5, 0.25]))
+    x0 = jnp.array([1.0, 1.0, 1.0])
+    C = jnp.array([[1.0, 0.0, 2.0], [0.0, 0.0, 1.0]])
+    want = C @ krylovjax.krylov(A, x0, 4)
+    got = krylovjax.krylov_readout(A, x0, 4, sparse.BCOO.fromdense(C))
+    np.testing.assert_allclose(got, want, rtol=1e-15)
+    rows = krylovjax.krylov_readout(A, x0, 4, C, layout="rows")
+    np.testing.assert_allclose(rows, want.T, rtol=1e-15)
+    # A float32 matrix with a float64 readout promotes.
+    got = krylovjax.krylov_readout(A.astype(jnp.float32), x0.astype(jnp.float32), 4, C)
+    assert got.dtype == jnp.float64
+
+
+def test_reverse_pass_memory():
+    # The gradient keeps ~3 sqrt(d) vectors where the materialising path keeps d.
+    n, d = 4096, 256
+    A = jax.ShapeDtypeStruct((n,), jnp.float32)
+    x0 = jax.ShapeDtypeStruct((n,), jnp.float32)
+    coeffs = jax.ShapeDtypeStruct((d,), jnp.float32)
+
+    def op(a):
+        return lambda x: a * x + jnp.roll(x, 1)
+
+    def readout(a, x0, coeffs):
+        return jnp.sum(krylovjax.polynomial_action(op(a), x0, coeffs) ** 2)
+
+    def materialised(a, x0, coeffs):
+        X = krylovjax.krylov(op(a), x0, d)
+        return jnp.sum((X @ coeffs) ** 2)
+
+    vector = n * 4
+    got = temp_bytes(jax.grad(readout, (0, 1, 2)), A, x0, coeffs)
+    want = temp_bytes(jax.grad(materialised, (0, 1, 2)), A, x0, coeffs)
+    assert want > d * vector
+    assert got < 4 * 16 * vector, (got / vector, want / vector)
+
+
+# ------------------------------------------------------------------- errors
+
+
+A3 = jnp.eye(3) / 2
+X3 = jnp.ones(3)
+
+
+@pytest.mark.parametrize(
+    ("C", "match"),
+    [
+        (jnp.ones((2, 4)), "krylov_readout(C=...)` must be a matrix of shape (p, 3)"),
+        (jnp.ones(3), "krylov_readout(C=...)` must be a matrix of shape (p, 3)"),
+        (jnp.ones((2, 3), jnp.int32), "krylov_readout(C=...)"),
+        ("C", "krylov_readout(C=...)` must be a (p, 3) matrix"),
+        (lambda x: jnp.sum(x), "krylov_readout(C=...)"),
+        (lambda x: x**2, "krylov_readout(C=...)"),
+    ],
+)
+def test_readout_matrix_errors(C, match):
+    with pytest.raises((TypeError, ValueError)) as info:
+        unchecked(krylovjax.krylov_readout)(A3, X3, 3, C)
+    assert match in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("coeffs", "x0", "match"),
+    [
+        (jnp.ones((3, 2)), X3, "polynomial_action(coeffs=...)` must have shape (d,)"),
+        (jnp.ones((0,)), X3, "polynomial_action(coeffs=...)` must have shape (d,)"),
+        (jnp.ones((3, 2, 2)), X3, "needs `x0` of shape (n, 2)"),
+        (jnp.ones(3, jnp.int32), X3, "polynomial_action(coeffs=...)"),
+    ],
+)
+def test_coefficient_errors(coeffs, x0, match):
+    with pytest.raises((TypeError, ValueError)) as info:
+        unchecked(krylovjax.polynomial_action)(A3, x0, coeffs)
+    assert match in str(info.value)
+
+
+@pytest.mark.parametrize("every", [0, -1, 2.0, True])
+def test_checkpoint_every_errors(every):
+    with pytest.raises((TypeError, ValueError)) as info:
+        unchecked(krylovjax.krylov_readout)(A3, X3, 3, A3, checkpoint_every=every)
+    assert "krylov_readout(checkpoint_every=...)" in str(info.value)
+
+
+def test_layout_error():
+    with pytest.raises(ValueError, match="layout"):
+        unchecked(krylovjax.krylov_readout)(A3, X3, 3, A3, layout="cols")
