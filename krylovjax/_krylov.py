@@ -260,8 +260,9 @@ def auto_method(
     return choose_method(operator, x0, d)
 
 
-def check_problem(A, x0, d, fn_name):
-    """Check `A`, `x0` and `d` and return them in internal form."""
+def check_problem(A, x0, d, fn_name, stacked=True):
+    """Check `A`, `x0` and `d` and return them in internal form; with `stacked`,
+    also that `d` copies of `x0` fit in memory (the Krylov matrix)."""
     d = check_depth(d, fn_name)
     x0 = as_array(x0, f"{fn_name}(x0=...)")
     if x0.ndim == 0:
@@ -270,6 +271,6 @@ def check_problem(A, x0, d, fn_name):
             f"shape ()."
         )
         raise ValueError(msg)
-    check_output_size(d, [x0], fn_name)
+    check_output_size(d, [x0] if stacked else [], fn_name)
     operator, x0 = as_operator(A, x0, fn_name)
     return operator, x0, d

@@ -51,6 +51,7 @@ from ._checks import (
     check_bcoo_matrix,
     check_choice,
     check_inexact,
+    check_output_size,
     check_size,
     describe,
     is_numpy_array,
@@ -348,7 +349,8 @@ def _reverse_segment(adj: _Adjoint, acc, state, lo, length: int):
             if adj.batched:
                 ws = lax.dynamic_update_index_in_dim(ws, w, row, 0)
             else:
-                grad = add_param_vjp(adj.operator, grad, x[None], 0, w[None])
+                # Read x_k in place from the segment's stack.
+                grad = add_param_vjp(adj.operator, grad, xs, row, w[None])
         if dots is not None:
             dsum = lax.dynamic_update_index_in_dim(dsum, dots, k, 0)
         return carry, grad, ct_readout, dsum, ws
@@ -717,10 +719,12 @@ def krylov_readout(
     """
     fn_name = "krylov_readout"
     check_choice(layout, ("columns", "rows"), f"{fn_name}(layout=...)")
-    operator, x0, d = check_problem(A, x0, d, fn_name)
+    operator, x0, d = check_problem(A, x0, d, fn_name, stacked=False)
     coefficients = _coefficients(basis, d, x0, fn_name)
     every = _check_every(checkpoint_every, d, fn_name)
     rows = Rows(_as_readout_matrix(C, x0, fn_name))
+    piece = eqx.filter_eval_shape(rows.piece, rows.C, x0)
+    check_output_size(d, [piece], fn_name, what="the readout `C x0`")
     out = readout(operator, x0, rows, coefficients, d, every)
     return out if layout == "rows" else jnp.moveaxis(out, 0, 1)
 
@@ -785,7 +789,7 @@ def polynomial_action(
         )
         raise ValueError(msg)
     d = coeffs.shape[0]
-    operator, x0, d = check_problem(A, x0, d, fn_name)
+    operator, x0, d = check_problem(A, x0, d, fn_name, stacked=False)
     if coeffs.ndim == 3 and (x0.ndim != 2 or x0.shape[1] != coeffs.shape[1]):
         msg = (
             f"`{arg}` of shape (d, b_in, b_out) = {coeffs.shape} needs `x0` of shape "
