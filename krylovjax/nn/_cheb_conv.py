@@ -25,9 +25,9 @@ $\hat L^\top = \hat L$ with `"sym"` and `None`, and $L^\top = I - A D^{-1}$ with
 $\bar X_k = T_k(\hat L^\top) X$, with $T_k$ the Chebyshev polynomials of the first
 kind. Since $\hat L^\top = 2 L^\top / \lambda_\max - I$ is the affine map of
 [`krylovjax.Chebyshev`][] from $[0, \lambda_\max]$ onto $[-1, 1]$, applied to
-$L^\top$, the $K$ blocks are one [`krylovjax.krylov`][] call,
-`krylov(L.T, X, K, basis=Chebyshev(0, lambda_max))`: $\hat L$ is never formed, and
-the reverse pass is that call's adjoint, which keeps only the $K$ blocks.
+$L^\top$, the output is one [`krylovjax.polynomial_action`][] call,
+`polynomial_action(L.T, X, W, basis=Chebyshev(0, lambda_max))`: $\hat L$ is never
+formed, and neither are the $K$ blocks, which are summed as they are made.
 """
 
 from typing import Any, Literal
@@ -45,10 +45,9 @@ from .._checks import (
     as_input,
     check_allocation,
     check_dtype,
-    check_output_size,
     check_size,
 )
-from .._krylov import krylov
+from .._readout import polynomial_action
 from .._typing import StaticInt
 from ._graph_conv import _as_adjacency
 from ._init import uniform
@@ -149,18 +148,19 @@ def _sparse_laplacian(A: sparse.BCOO, normalization: Normalization) -> sparse.BC
     return sparse.BCOO((data, indices), shape=(n, n))
 
 
-def chebyshev_blocks(
+def chebyshev_filter(
     adjacency: Any,
     X: Array,
-    K: int,
+    coeffs: Array,
     normalization: Normalization,
     lambda_max: Any,
     layer: str,
     dtype: Any,
 ) -> Array:
-    r"""The `(N, K, F)` blocks $T_k(\hat L^\top) X$, $k < K$, of a layer called
-    `layer` with parameters of `dtype`: the adjacency checked against `X` (already
-    checked), its Laplacian, and one `krylov` call."""
+    r"""$\sum_k T_k(\hat L^\top) X\, W_k$ (`coeffs` of shape `(K, F_in, F_out)`)
+    or $\sum_k w_k T_k(\hat L^\top) X$ (`coeffs` of shape `(K,)`) for a layer
+    called `layer` with parameters of `dtype`: the adjacency checked against `X`
+    (already checked), its Laplacian, and one `polynomial_action` call."""
     n = X.shape[0]
     a_arg = f"{layer}.__call__(adjacency=...)"
     adjacency = _as_adjacency(adjacency, a_arg, dtype)
@@ -173,15 +173,11 @@ def chebyshev_blocks(
         )
         raise ValueError(msg)
     basis = Chebyshev(0.0, _check_lambda_max(lambda_max, layer))
-    check_output_size(
-        K, [X], layer, arg=f"{layer}(K=...)", what="the node features `X`"
-    )
     if isinstance(adjacency, sparse.BCOO):
         laplacian = _sparse_laplacian(adjacency, normalization)
     else:
         laplacian = _dense_laplacian(adjacency, normalization)
-    # Node n's features are [x_n, (T_1(L_hat^T) X)_n, ...].
-    return krylov(laplacian, X, K, basis=basis, layout="columns")
+    return polynomial_action(laplacian, X, coeffs, basis=basis)
 
 
 class ChebGraphConv(eqx.Module):
@@ -216,12 +212,17 @@ class ChebGraphConv(eqx.Module):
     `indices = edge_index.T` and `data = edge_weight` (duplicate edges add up,
     as in PyG).
 
-    The blocks $T_k(\hat L^\top) X$ come from one [`krylovjax.krylov`][] call in
-    the [`krylovjax.Chebyshev`][] basis on $[0, \lambda_\max]$, applied to
-    $L^\top$. So the reverse pass is that call's single-buffer adjoint: it keeps
-    the $K$ feature blocks, $N K F_\text{in}$ numbers, and nothing per step, and
-    gradients reach $W$, $b$, $X$, the values of `adjacency` (dense or BCOO) and
-    $\lambda_\max$. The Laplacian is built densely ($N^2$ numbers) for a dense
+    The sum is one [`krylovjax.polynomial_action`][] call in the
+    [`krylovjax.Chebyshev`][] basis on $[0, \lambda_\max]$, applied to $L^\top$,
+    with $W_k$ per degree; gradients reach $W$, $b$, $X$, the values of
+    `adjacency` (dense or BCOO) and $\lambda_\max$.
+
+    **Memory.** The blocks $T_k(\hat L^\top) X$ are summed into the output as
+    they are made, never stored: the forward pass keeps two of them, and the
+    reverse pass for a large graph about $3\sqrt K$ arrays of the size of $X$
+    (checkpoints of pairs of blocks every $\lceil\sqrt K\,\rceil$ degrees, and
+    one recomputed segment), where the $K$ blocks are $N K F_\text{in}$ numbers.
+    The Laplacian is built densely ($N^2$ numbers) for a dense
     `adjacency`, and for a BCOO one as a BCOO matrix of its entries plus $N$
     diagonal ones, so a sparse graph stays sparse.
 
@@ -345,11 +346,15 @@ class ChebGraphConv(eqx.Module):
                 f"in_features={self.in_features}); got shape {X.shape}."
             )
             raise ValueError(msg)
-        features = chebyshev_blocks(
-            adjacency, X, self.K, self.normalization, lambda_max, "ChebGraphConv", dtype
+        out = chebyshev_filter(
+            adjacency,
+            X,
+            self.weight,
+            self.normalization,
+            lambda_max,
+            "ChebGraphConv",
+            dtype,
         )
-        weight = self.weight.astype(features.dtype)
-        out = jnp.einsum("nkf,kfo->no", features, weight)
         if self.bias is not None:
             out = out + self.bias.astype(out.dtype)[None, :]
         return out

@@ -22,11 +22,12 @@ same transposed propagation),
 $$Y = p(\hat L^\top) X = \frac{w_0}{2} X + \sum_{k=1}^{K} w_k T_k(\hat L^\top) X.$$
 
 So $\tilde\gamma_j$ is the filter's response at the Laplacian eigenvalue
-$\lambda_j = \lambda_\max (x_j + 1) / 2$. The blocks $T_k(\hat L^\top) X$ are one
-[`krylovjax.krylov`][] call, `krylov(L.T, X, K + 1, basis=Chebyshev(0,
-lambda_max))`, and the coefficients a constant $(K + 1) \times (K + 1)$ matrix
-times $\tilde\gamma$, so the reverse pass is that call's adjoint plus one small
-product.
+$\lambda_j = \lambda_\max (x_j + 1) / 2$. The output is one
+[`krylovjax.polynomial_action`][] call, `polynomial_action(L.T, X, w,
+basis=Chebyshev(0, lambda_max))`, which sums the blocks $T_k(\hat L^\top) X$ as
+they are made (never storing them; memory as for [`krylovjax.nn.ChebGraphConv`][]),
+and the coefficients a constant $(K + 1) \times (K + 1)$ matrix times
+$\tilde\gamma$, so the reverse pass is that call's plus one small product.
 
 With $\gamma_j = 1$ for every $j$ (the official code's initialisation) the
 discrete orthogonality $\sum_j T_k(x_j) = 0$, $1 \le k \le K$, gives
@@ -52,7 +53,7 @@ from ._cheb_conv import (
     Normalization,
     _check_normalization,
     _check_real,
-    chebyshev_blocks,
+    chebyshev_filter,
 )
 
 
@@ -221,19 +222,17 @@ class ChebIIConv(eqx.Module):
                 f"{X.shape}."
             )
             raise ValueError(msg)
-        # (N, K + 1, F): node n's features are [x_n, (T_1(L_hat^T) X)_n, ...].
-        features = chebyshev_blocks(
+        values = self.gamma
+        if self.nonnegative:
+            values = jax.nn.relu(values)
+        matrix = jnp.asarray(_interpolation_matrix(self.K), values.dtype)
+        coefficients = matrix @ values  # (w_0 / 2, w_1, ..., w_K)
+        return chebyshev_filter(
             adjacency,
             X,
-            self.K + 1,
+            coefficients,
             self.normalization,
             lambda_max,
             "ChebIIConv",
             dtype,
         )
-        values = self.gamma.astype(features.dtype)
-        if self.nonnegative:
-            values = jax.nn.relu(values)
-        matrix = jnp.asarray(_interpolation_matrix(self.K), features.dtype)
-        coefficients = matrix @ values  # (w_0 / 2, w_1, ..., w_K)
-        return jnp.einsum("nkf,k->nf", features, coefficients)

@@ -3,10 +3,10 @@ r"""`KrylovGraphConv`: a polynomial graph filter on block Krylov features.
 A TAGConv-style layer (Du et al., 2017): with a normalised adjacency operator
 $\hat A$ and node features $H \in \mathbb{R}^{N \times F_\text{in}}$, it mixes the
 block Krylov features $[H, \hat A H, \dots, \hat A^k H]$ -- the node features
-diffused over $0, 1, \dots, k$ hops -- with one learnable linear map. The features
-come from one [`krylovjax.krylov`][] call with the block start $H$, so the reverse
-pass is the single-buffer adjoint, and a sparse $\hat A$ (BCOO) gets its gradient
-as one sampled product.
+diffused over $0, 1, \dots, k$ hops -- with one learnable linear map. The output
+is one [`krylovjax.polynomial_action`][] call with a weight matrix per hop, which
+sums the hops as they are made: the features are never stored, and a sparse
+$\hat A$ (BCOO) gets its gradient as sampled products.
 """
 
 import math
@@ -24,10 +24,9 @@ from .._checks import (
     check_allocation,
     check_bcoo_matrix,
     check_dtype,
-    check_output_size,
     check_size,
 )
-from .._krylov import krylov
+from .._readout import polynomial_action
 from .._typing import StaticInt
 from ._init import uniform
 
@@ -137,9 +136,15 @@ class KrylovGraphConv(eqx.Module):
       = [H \mid \hat A H \mid \dots \mid \hat A^k H]\, W^\top + \mathbf{1} b^\top,$$
 
     with $W = [W_0 \mid \dots \mid W_k] \in
-    \mathbb{R}^{F_\text{out} \times (k+1) F_\text{in}}$. The block Krylov matrix is
-    one [`krylovjax.krylov`][] call (`x0 = H`, `d = k + 1`), so $\hat A$ may be
-    dense or a BCOO matrix, and its values get gradients too.
+    \mathbb{R}^{F_\text{out} \times (k+1) F_\text{in}}$. The sum is one
+    [`krylovjax.polynomial_action`][] call (`x0 = H`, one $W_j^\top$ per hop), so
+    $\hat A$ may be dense or a BCOO matrix, and its values get gradients too.
+
+    **Memory.** The forward pass keeps $H$, one hop $\hat A^j H$ and the output;
+    the reverse pass, for a large graph, about $2\sqrt{k+1}$ arrays of the size of
+    $H$ (checkpoints every $\lceil\sqrt{k+1}\,\rceil$ hops and one recomputed
+    segment) where the block Krylov matrix $[H \mid \dots \mid \hat A^k H]$
+    would be $k + 1$ (see [`krylovjax.polynomial_action`][]).
 
     !!! Example
 
@@ -257,22 +262,12 @@ class KrylovGraphConv(eqx.Module):
                 f"{H.shape}; got shape {shape}."
             )
             raise ValueError(msg)
-        check_output_size(
-            self.num_hops + 1,
-            [H],
-            "KrylovGraphConv",
-            arg="KrylovGraphConv(num_hops=...)",
-            what="the node features `H`",
-        )
-        # (N, k + 1, F_in): node n's features are [h_n, (A H)_n, ...].
-        features = krylov(adjacency, H, self.num_hops + 1, layout="columns")
-        # `features` has the dtype of `H` and `adjacency` promoted with the layer's;
-        # the parameters are cast to it. The weight's columns, (k + 1) F_in, as
-        # (k + 1, F_in): one contraction with the features, which need no reshape
-        # (one that an explicit mesh would refuse when `H` is split by columns).
-        weight = self.weight.astype(features.dtype)
-        weight = weight.reshape(weight.shape[0], self.num_hops + 1, self.in_features)
-        out = jnp.einsum("nkf,okf->no", features, weight)
+        # The weight's columns, (k + 1) F_in, as one (F_in, F_out) matrix per hop:
+        # Y = sum_j A^j H W_j^T, summed as the hops are made (`polynomial_action`),
+        # so the (N, k + 1, F_in) features are never stored.
+        weight = self.weight.reshape(-1, self.num_hops + 1, self.in_features)
+        coeffs = jnp.transpose(weight, (1, 2, 0))
+        out = polynomial_action(adjacency, H, coeffs)
         if self.bias is not None:
             out = out + self.bias.astype(out.dtype)[None, :]
         return out
