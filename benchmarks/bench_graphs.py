@@ -57,26 +57,31 @@ from pathlib import Path
 import _harness as h
 import numpy as np
 
-CASES = ("forward", "grad_x", "grad_both", "conv", "cheb_fwd", "cheb")
+CASES = ("forward", "grad_x", "grad_both", "conv", "filter", "cheb_fwd", "cheb")
 METHODS = {case: ("krylovjax", "torch_csr", "pyg") for case in CASES[:3]}
 METHODS["conv"] = ("krylovjax", "pyg_csr", "pyg_ei")
+METHODS["filter"] = ("krylovjax", "materialising", "pyg")
 CHEB_CASES = ("cheb_fwd", "cheb")
 # What runs without `--cases`: PyG's ChebConv alone takes half an hour at 170k.
 DEFAULT_CASES = tuple(x for x in CASES if x not in CHEB_CASES)
 METHODS |= {case: ("krylovjax", "pyg_cheb_csr", "pyg_cheb_ei") for case in CHEB_CASES}
 LABELS = {"krylovjax": "krylovjax", "torch_csr": "torch CSR", "pyg": "PyG EdgeIndex"}
+LABELS["materialising"] = "krylovjax, krylov stack"
 LABELS |= {"pyg_csr": "PyG TAGConv CSR", "pyg_ei": "PyG TAGConv edge_index"}
 LABELS |= {"pyg_cheb_csr": "PyG ChebConv CSR", "pyg_cheb_ei": "PyG ChebConv edge_index"}
 PYG = ("pyg", "pyg_csr", "pyg_ei", "pyg_cheb_csr", "pyg_cheb_ei")
 # The libraries each method needs, by import name.
 NEEDS = {"krylovjax": ("jax", "krylovjax"), "torch_csr": ("torch",)}
+NEEDS["materialising"] = NEEDS["krylovjax"]
 NEEDS |= {m: ("torch", "torch_geometric") for m in PYG}
 # The issue's targets, shown next to the numbers (not checked).
 TIME_TARGETS = {case: "kj / torch CSR <= 1.2 at n = 170k" for case in CASES[:2]}
 TIME_TARGETS["grad_both"] = "completes; see the RSS target"
 TIME_TARGETS["conv"] = "kj / TAGConv CSR <= 1 at n = 170k"
+TIME_TARGETS["filter"] = "kj / krylov stack <= 1.2 where both fit"
 TIME_TARGETS |= {c: "kj / ChebConv CSR <= 0.8 at n = 170k" for c in CHEB_CASES}
 RSS_TARGETS = {"forward": "<= 6 GB at n = 1M", "grad_x": "-", "conv": "-"}
+RSS_TARGETS["filter"] = "<= 6 GB at n = 1M, filter depth 16"
 RSS_TARGETS["grad_both"] = "<= 1.5x grad_x at 170k; <= 6 GB at n = 1M"
 RSS_TARGETS |= {case: "-" for case in CHEB_CASES}
 # Largest relative difference from krylovjax's outputs that counts as agreeing
@@ -88,7 +93,14 @@ AGREE_RTOL = 1e-4
 
 
 def make_graph(
-    n: int, degree: int, b: int, d: int, conv_out: int, seed: int, cheb_k: int = 10
+    n: int,
+    degree: int,
+    b: int,
+    d: int,
+    conv_out: int,
+    seed: int,
+    cheb_k: int = 10,
+    filter_d: int = 16,
 ):
     """A random undirected graph with self-loops, its normalised weights, features.
 
@@ -97,7 +109,8 @@ def make_graph(
     row. The entries are sorted by (row, column) so that the BCOO order, the CSR
     order and the `EdgeIndex` order are the same, and the gradients of the values
     line up. Also the weights of the two layers: `KrylovGraphConv` (`d` blocks) and
-    `ChebGraphConv` (`cheb_k` blocks), both `b` features in and `conv_out` out.
+    `ChebGraphConv` (`cheb_k` blocks), both `b` features in and `conv_out` out;
+    and the filter's `filter_d` coefficients `theta`.
     """
     rng = np.random.default_rng(seed)
     m = (degree - 1) * n // 2
@@ -141,6 +154,7 @@ def make_graph(
     g = {"n": n, "nnz": int(rows.size), "rows": rows, "cols": cols, "crow": crow}
     g.update(values=values, X=X, W=W, V=V)
     g.update(cheb_weight=cheb_weight, cheb_bias=cheb_bias)
+    g["theta"] = (rng.standard_normal(filter_d) / filter_d).astype(np.float32)
     return g | {"conv_weight": conv_weight, "conv_bias": conv_bias}
 
 
@@ -261,6 +275,75 @@ def setup_krylovjax_cheb(case: str, g: dict) -> dict:
     return {"call": call, "extract": extract, "compile_s": compile_s} | {
         "xla": h.memory(compiled)
     }
+
+
+def setup_krylovjax_filter(g: dict, materialise: bool) -> dict:
+    """The filter sum_k theta_k Â^k X by `polynomial_action`, or
+    (`materialise`) as the `krylov` stack contracted with `theta`; the gradient of
+    `sum(out * w)` (`w` the first row of `W`) with respect to the edge weights,
+    `X` and `theta`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import sparse
+
+    import krylovjax
+
+    n = g["n"]
+    data = jnp.asarray(g["values"])
+    indices = jnp.asarray(np.stack([g["rows"], g["cols"]], axis=1))
+    X, theta, w = jnp.asarray(g["X"]), jnp.asarray(g["theta"]), jnp.asarray(g["W"][0])
+
+    def loss(data, X, theta, indices, w):
+        A = sparse.BCOO((data, indices), shape=(n, n))
+        if materialise:
+            out = krylovjax.krylov(A, X, theta.size, layout="rows")
+            out = jnp.tensordot(theta, out, 1)
+        else:
+            out = krylovjax.polynomial_action(A, X, theta)
+        return jnp.sum(out * w)
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    args = (data, X, theta, indices, w)
+    compiled, compile_s = h.compile_timed(fn, args)
+    names = ("loss", "values", "X", "theta")
+
+    def extract(out):
+        leaves = jax.tree.leaves(out)
+        return {k: np.asarray(v) for k, v in zip(names, leaves, strict=True)}
+
+    call = h.ready(compiled, args)
+    return {"call": call, "extract": extract, "compile_s": compile_s} | {
+        "xla": h.memory(compiled)
+    }
+
+
+def setup_pyg_filter(g: dict) -> dict:
+    """The filter of `setup_krylovjax_filter` with PyG's `EdgeIndex.matmul` in a
+    loop, differentiated by torch's autograd."""
+    import torch
+    from torch_geometric import EdgeIndex
+
+    n = g["n"]
+    edge_index = torch.from_numpy(np.stack([g["rows"], g["cols"]]).astype(np.int64))
+    ei = EdgeIndex(edge_index, sparse_size=(n, n), sort_order="row", is_undirected=True)
+    values = torch.from_numpy(g["values"]).requires_grad_()
+    X = torch.from_numpy(g["X"]).requires_grad_()
+    theta = torch.from_numpy(g["theta"]).requires_grad_()
+    w = torch.from_numpy(g["W"][0])
+
+    def call():
+        x, out = X, theta[0] * X
+        for k in range(1, theta.numel()):
+            x = ei.matmul(x, input_value=values)
+            out = out + theta[k] * x
+        loss = (out * w).sum()
+        return loss.detach(), *torch.autograd.grad(loss, [values, X, theta])
+
+    def extract(out):
+        keys = ("loss", "values", "X", "theta")
+        return {k: t.numpy() for k, t in zip(keys, out, strict=True)}
+
+    return {"call": call, "extract": extract}
 
 
 def setup_pyg_cheb(method: str, case: str, g: dict) -> dict:
@@ -411,6 +494,10 @@ def setup(method: str, case: str, g: dict, d: int) -> dict:
         if method == "krylovjax":
             return setup_krylovjax_cheb(case, g)
         return setup_pyg_cheb(method, case, g)
+    if case == "filter":
+        if method == "pyg":
+            return setup_pyg_filter(g)
+        return setup_krylovjax_filter(g, materialise=method == "materialising")
     if method == "krylovjax":
         return setup_krylovjax(case, g, d)
     return setup_torch(method, case, g, d)
@@ -478,7 +565,14 @@ def finish_child(args, report: dict, code: int) -> int:
 def build_graph(args, report: dict) -> dict:
     start = time.perf_counter()
     g = make_graph(
-        args.n, args.degree, args.b, args.d, args.conv_out, args.seed, args.cheb_k
+        args.n,
+        args.degree,
+        args.b,
+        args.d,
+        args.conv_out,
+        args.seed,
+        args.cheb_k,
+        args.filter_d,
     )
     report["nnz"] = g["nnz"]
     report["graph_build_s"] = time.perf_counter() - start
@@ -558,7 +652,7 @@ def timing_child(args) -> int:
 
 
 def child_args(args, n: int) -> list[str]:
-    names = ("degree", "b", "d", "conv_out", "cheb_k", "seed", "repeats")
+    names = ("degree", "b", "d", "conv_out", "cheb_k", "filter_d", "seed", "repeats")
     names += ("torch_threads",)
     names += ("rss_limit_gb", "rss_headroom_gb")
     flags = [(f"--{k.replace('_', '-')}", str(getattr(args, k))) for k in names]
@@ -701,6 +795,34 @@ def cheb_lines(report: dict) -> list[str]:
     return lines
 
 
+def filter_lines(report: dict) -> list[str]:
+    """The polynomial filter's table: time and peak RSS of each method."""
+    timing = (report.get("timing") or {}).get("filter", {})
+    rss = (report.get("rss") or {}).get("filter", {})
+    if not timing and not rss:
+        return []
+    c = report["config"]
+    row = time_row("filter", timing, ("materialising", "pyg"))
+    peaks = [rss_cell(rss.get(x)) for x in METHODS["filter"]]
+    return [
+        "",
+        f"Polynomial filter: `polynomial_action(A, X, theta)`, "
+        f"sum_k theta_k Â^k X for k < {c['filter_d']}, against the same from the "
+        "`krylov` stack contracted with `theta` (materialising) and PyG's "
+        "`EdgeIndex.matmul` in a loop under autograd; value and gradient of "
+        "`sum(out * w)` with respect to the edge weights, `X` and `theta`. Peak RSS "
+        "in GB, each method in its own process.",
+        "",
+        *h.table(
+            "case | polynomial_action ms | krylov stack ms | PyG EdgeIndex ms "
+            "| kj / stack | kj / PyG | kj compile s | rel. diff stack, PyG "
+            "| peak RSS polynomial_action | peak RSS stack | peak RSS PyG "
+            "| target (issue)",
+            [[*row[:-1], *peaks, f"{row[-1]}; {RSS_TARGETS['filter']}"]],
+        ),
+    ]
+
+
 def markdown(report: dict) -> str:
     m, c = report["machine"], report["config"]
     v = m["versions"]
@@ -763,7 +885,7 @@ def markdown(report: dict) -> str:
                     [time_row("conv", timing["conv"], ("pyg_csr", "pyg_ei"))],
                 ),
             ]
-        lines += cheb_lines(report)
+        lines += cheb_lines(report) + filter_lines(report)
         first = [
             f"{case} {LABELS[meth]} {_ms(r.get('first_call_s'))}"
             for case, rs in timing.items()
@@ -797,7 +919,8 @@ def markdown(report: dict) -> str:
             "",
         ]
         rows = []
-        for case in (x for x in CASES if x in rss and x not in CHEB_CASES):
+        rest = (*CHEB_CASES, "filter")
+        for case in (x for x in CASES if x in rss and x not in rest):
             rs = rss[case]
             others = METHODS[case][1:]
             cells = [rss_cell(rs.get(x)) for x in ("krylovjax", *others)]
@@ -810,7 +933,7 @@ def markdown(report: dict) -> str:
                 rows,
             )
         if not report.get("timing"):
-            lines += cheb_lines(report)
+            lines += cheb_lines(report) + filter_lines(report)
         if "grad_x" in rss and "grad_both" in rss:
             parts = [
                 f"{LABELS[x]} "
@@ -888,6 +1011,7 @@ def main(argv=None) -> dict | None:
         ("--d", int, 4, "blocks X ... Â^(d-1) X"),
         ("--conv-out", int, 64, "output features of the layers"),
         ("--cheb-k", int, 10, "K of ChebGraphConv and ChebConv"),
+        ("--filter-d", int, 16, "terms of the polynomial filter (case filter)"),
         ("--seed", int, 0, None),
         (
             "--cases",
@@ -946,7 +1070,7 @@ def main(argv=None) -> dict | None:
         f"{args.torch_threads}); XLA: its default thread pool"
     )
     config = {k: getattr(args, k) for k in ("degree", "b", "d", "conv_out", "seed")}
-    config["cheb_k"] = args.cheb_k
+    config["cheb_k"], config["filter_d"] = args.cheb_k, args.filter_d
     config |= {"n": n, "cases": cases, "phases": phases, "repeats": args.repeats}
     config |= {k: getattr(args, k) for k in ("torch_threads", "rss_limit_gb")}
     config |= {"rss_headroom_gb": args.rss_headroom_gb, "quick": args.quick}
