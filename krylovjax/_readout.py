@@ -16,15 +16,17 @@ keeps a *checkpoint* every $s$ steps (`checkpoint_every`; the pair
 $(x_{k-1}, x_k)$ for a three-term basis), and the reverse pass, from the last
 segment of $s$ vectors down to the first, recomputes the segment's vectors from
 its checkpoint, then runs its adjoint steps from the top: each reads $x_k$ from
-the segment, forms $g_k$ and the readout's gradient at step $k$ (one VJP of
+the segment, forms $g_k$ and the readout's gradient at step $k$ (a VJP of
 `piece`), $\lambda_k$, and the pairing $a_k \lambda_{k+1} x_k^\top$ of the
-operator's gradient, which for a segment whose buffers fit the scan's chunk
-policy (`_chunks.gradient_chunk`) is one batched product over the segment
-(`_chunks.add_param_vjp`: a GEMM for a dense matrix), and otherwise a product per
-step. Memory: $\lceil d/s \rceil - 1$ checkpoints and $s$ recomputed vectors
-(plus $s$ adjoint vectors where the pairing is batched), $O(\sqrt d)$ vectors at
-the default $s = \lceil\sqrt d\,\rceil$, for one extra forward pass ($d - \lceil
-d/s\rceil$ products). $s = 1$ stores every vector and recomputes nothing.
+operator's gradient. For small vectors (`SMALL_VECTOR`) the pairings of a chunk
+of steps (the scan's chunk policy, `_chunks.gradient_chunk`) are one batched
+product reading the segment in place (`_chunks.add_param_vjp`: a GEMM for a
+dense matrix), and so are a matrix readout's VJPs; otherwise one product per
+step. Memory: $\lceil d/s \rceil - 1$ checkpoints and $s$ recomputed vectors,
+$O(\sqrt d)$ vectors at $s = \lceil\sqrt d\,\rceil$, for one extra forward pass
+($d - \lceil d/s\rceil$ products). $s = 1$ stores every vector and recomputes
+nothing; it is the default while the $d$ vectors take at most
+`STORE_ALL_BYTES`, where memory is no concern and time is.
 
 **Forward and reverse mode from one rule**, as for `krylov`: a `custom_jvp`
 whose tangent is a primitive (`_tangent.tangent_primitive`), implemented by JAX's
@@ -76,9 +78,22 @@ from ._typing import OperatorLike, StaticInt
 # ------------------------------------------------------------------- readouts
 
 
+# Vectors of at most this many numbers get the reverse pass's products a chunk
+# of steps at a time (the operator's pairings, and the readout's VJP where it is
+# `batched`): at (n, d) = (512, 200) and (32, 5000) that made the gradient
+# 1.4-2.3x faster, while for the SSM kernel's (64, 256) blocks (a rank-256
+# update per step is a GEMM already) a chunk at a time was 1.3x slower.
+SMALL_VECTOR = 4096
+
+
 class _Readout(eqx.Module):
     """What a readout reads off the sequence: a piece per step, linear in the
-    vector and in the readout's arrays, put into the output."""
+    vector and in the readout's arrays, put into the output. The reverse pass
+    takes the pieces' VJP for a chunk of steps at once where `batched` (worth it
+    when a step's piece is a small product, at the cost of the chunk's
+    cotangents), else one step at a time."""
+
+    batched = False
 
     def params(self, k) -> Any:
         """The arrays that step `k`'s piece reads (a pytree)."""
@@ -90,12 +105,18 @@ class _Readout(eqx.Module):
     def put(self, out: Array, k, piece: Array) -> Array:
         raise NotImplementedError
 
-    def take(self, ct: Array, k) -> Array:
-        """The cotangent of step `k`'s piece, from the output's."""
+    def chunk_params(self, first, size: int) -> tuple[Any, int | None]:
+        """The arrays that steps `first .. first + size - 1` read, and their
+        batch axis (`None`: shared by the steps)."""
         raise NotImplementedError
 
-    def add_params(self, acc: Any, k, ct) -> "_Readout":
-        """`acc` (a cotangent of the readout) plus step `k`'s `ct` of `params(k)`."""
+    def chunk_take(self, ct: Array, first, size: int) -> Array:
+        """The cotangents of those steps' pieces, stacked, from the output's."""
+        raise NotImplementedError
+
+    def add_chunk_params(self, acc: Any, first, ct) -> "_Readout":
+        """`acc` (a cotangent of the readout) plus `ct`, a cotangent of
+        `chunk_params(first, ...)`."""
         raise NotImplementedError
 
     def empty(self, x0: Array, d: int) -> Array:
@@ -107,6 +128,8 @@ class Rows(_Readout):
     matrix (dense or BCOO) or a closure-converted linear callable."""
 
     C: Any
+    # A step's piece is a small matrix-vector product: a chunk's are one GEMM.
+    batched = True
 
     def params(self, k):
         del k
@@ -120,11 +143,15 @@ class Rows(_Readout):
     def put(self, out, k, piece):
         return lax.dynamic_update_index_in_dim(out, piece.astype(out.dtype), k, 0)
 
-    def take(self, ct, k):
-        return lax.dynamic_index_in_dim(ct, k, 0, False)
+    def chunk_params(self, first, size):
+        del first, size
+        return self.C, None
 
-    def add_params(self, acc, k, ct):
-        del k
+    def chunk_take(self, ct, first, size):
+        return lax.dynamic_slice_in_dim(ct, first, size)
+
+    def add_chunk_params(self, acc, first, ct):
+        del first
         C = jtu.tree_map(jnp.add, acc.C, eqx.filter(ct, eqx.is_inexact_array))
         return Rows(C)
 
@@ -150,13 +177,16 @@ class Sum(_Readout):
         del k
         return out + piece.astype(out.dtype)
 
-    def take(self, ct, k):
-        del k
-        return ct
+    def chunk_params(self, first, size):
+        return lax.dynamic_slice_in_dim(self.coeffs, first, size), 0
 
-    def add_params(self, acc, k, ct):
-        row = lax.dynamic_index_in_dim(acc.coeffs, k, 0, False)
-        return Sum(lax.dynamic_update_index_in_dim(acc.coeffs, row + ct, k, 0))
+    def chunk_take(self, ct, first, size):
+        del first
+        return jnp.broadcast_to(ct[None], (size, *ct.shape))
+
+    def add_chunk_params(self, acc, first, ct):
+        rows = lax.dynamic_slice_in_dim(acc.coeffs, first, ct.shape[0])
+        return Sum(lax.dynamic_update_slice_in_dim(acc.coeffs, rows + ct, first, 0))
 
     def empty(self, x0, d):
         del d
@@ -169,7 +199,7 @@ class Sum(_Readout):
 
 class _Plan(eqx.Module):
     """The static shape of one run: `d` vectors in `count` segments of `every`
-    (the last one `last` long)."""
+    (the last one `last` long). `every == 1` stores every vector."""
 
     d: int = eqx.field(static=True)
     every: int = eqx.field(static=True)
@@ -183,9 +213,17 @@ class _Plan(eqx.Module):
         return self.d - (self.count - 1) * self.every
 
 
-def default_every(d: int) -> int:
-    """The default checkpoint spacing, $\\lceil\\sqrt d\\,\\rceil$."""
-    return max(1, math.isqrt(d - 1) + 1) if d > 1 else 1
+# Below this many bytes for the d vectors, the default stores them all: the
+# reverse pass then recomputes nothing, as fast as the materialising path.
+STORE_ALL_BYTES = 16 * 2**20
+
+
+def default_every(d: int, x0: Array) -> int:
+    """The default checkpoint spacing: 1 (every vector stored) while the `d`
+    vectors take at most `STORE_ALL_BYTES`, else $\\lceil\\sqrt d\\,\\rceil$."""
+    if d * x0.size * x0.dtype.itemsize <= STORE_ALL_BYTES:
+        return 1
+    return math.isqrt(d - 1) + 1
 
 
 def _padded(coefficients: Coefficients | None, d: int):
@@ -247,37 +285,62 @@ def readout_forward(
     plan: _Plan,
     keep: bool,
 ):
-    """The output, and with `keep` the checkpoints: the states at vectors
-    `every, 2 every, ...` (`None` without `keep`)."""
+    """The output, and with `keep` what the reverse pass reads (`None` without
+    `keep`): for `plan.every == 1` every vector, `(d, *x0.shape)`; else the
+    checkpoints, the states at vectors `every, 2 every, ...` (`count - 1` rows;
+    pairs of vectors for a three-term basis; the first segment starts at `x0`)."""
     padded = _padded(coefficients, plan.d)
     out = readout.empty(x0, plan.d)
     state = _first_state(x0, padded)
-    checkpoints = None
-    if plan.count > 1:
-        every = plan.every
+    if plan.every == 1:
+        return _forward_storing(operator, readout, padded, state, out, plan, keep)
+    every = plan.every
+    stack = None
+    if keep:
         stack = jtu.tree_map(
             lambda v: jnp.zeros((plan.count - 1, *v.shape), v.dtype), state
         )
 
-        def segment(carry, c):
-            state, out, stack = carry
-            state, out = _run(
-                operator, readout, padded, state, out, c * every, every, True
+    def segment(carry, c):
+        state, out, stack = carry
+        state, out = _run(operator, readout, padded, state, out, c * every, every, True)
+        if keep:
+            stack = jtu.tree_map(
+                lambda s, v: lax.dynamic_update_index_in_dim(s, v, c, 0), stack, state
             )
-            if keep:
-                stack = jtu.tree_map(
-                    lambda s, v: lax.dynamic_update_index_in_dim(s, v, c, 0),
-                    stack,
-                    state,
-                )
-            return (state, out, stack), None
+        return (state, out, stack), None
 
-        carry = (state, out, stack if keep else None)
-        (state, out, stack), _ = lax.scan(segment, carry, jnp.arange(plan.count - 1))
-        checkpoints = stack
-    lo = (plan.count - 1) * plan.every
+    if plan.count > 1:
+        (state, out, stack), _ = lax.scan(
+            segment, (state, out, stack), jnp.arange(plan.count - 1)
+        )
+    else:
+        stack = None
+    lo = (plan.count - 1) * every
     _, out = _run(operator, readout, padded, state, out, lo, plan.last, False)
-    return out, checkpoints
+    return out, stack
+
+
+def _forward_storing(operator, readout, padded, state, out, plan, keep):
+    """`readout_forward` for `every == 1`: every vector stored (with `keep`)."""
+    x0 = _current(state)
+    xs = jnp.zeros((plan.d, *x0.shape), x0.dtype) if keep else None
+
+    def body(carry, k):
+        state, out, xs = carry
+        x = _current(state)
+        out = readout.put(out, k, readout.piece(readout.params(k), x))
+        if keep:
+            xs = lax.dynamic_update_index_in_dim(xs, x, k, 0)
+        return (_advance(operator, state, padded, k), out, xs), None
+
+    (state, out, xs), _ = lax.scan(body, (state, out, xs), jnp.arange(plan.d - 1))
+    k = plan.d - 1
+    x = _current(state)
+    out = readout.put(out, k, readout.piece(readout.params(k), x))
+    if keep:
+        xs = lax.dynamic_update_index_in_dim(xs, x, k, 0)
+    return out, xs
 
 
 # -------------------------------------------------------------- reverse pass
@@ -293,8 +356,9 @@ class _Adjoint(eqx.Module):
     ct: Array
     want_operator: bool = eqx.field(static=True)
     want_readout: bool = eqx.field(static=True)
-    # Whether a segment's pairings are one batched product (else one per step).
-    batched: bool = eqx.field(static=True)
+    # Steps whose pairings with the operator's gradient are one batched product
+    # (1: a product per step).
+    chunk: int = eqx.field(static=True)
 
 
 def _recompute(adj: _Adjoint, state, lo, length: int) -> Array:
@@ -311,58 +375,99 @@ def _recompute(adj: _Adjoint, state, lo, length: int) -> Array:
     return lax.fori_loop(0, length - 1, body, (state, stack))[1]
 
 
-def _reverse_segment(adj: _Adjoint, acc, state, lo, length: int):
-    """The adjoint steps of vectors `lo + length - 1` down to `lo`.
+def _readout_cotangents(adj: _Adjoint, xs, k0, first, size: int):
+    """For vectors `k0 + first ..` (rows `first ..` of `xs`), `size` of them:
+    their cotangents from the readout, stacked, and the readout's gradient from
+    those steps (`None` unless wanted): one VJP of the readout's pieces, batched
+    over the steps (for a matrix `C`, two GEMMs)."""
+    params, axis = adj.readout.chunk_params(k0 + first, size)
+    ct = adj.readout.chunk_take(adj.ct, k0 + first, size)
+    xs = lax.dynamic_slice_in_dim(xs, first, size)
+    pieces = eqx.filter_vmap(adj.readout.piece, in_axes=(axis, 0))
+    if adj.want_readout:
+        _, vjp = eqx.filter_vjp(pieces, params, xs)
+        ct_params, gs = vjp(ct)
+    else:
+        _, vjp = eqx.filter_vjp(lambda xs: pieces(params, xs), xs)
+        (gs,), ct_params = vjp(ct), None
+    return gs.astype(xs.dtype), ct_params
+
+
+def _adjoint_step(adj: _Adjoint, acc, xs, lo, row, g):
+    """The adjoint step of vector `lo + row`, read from `xs[row]`, whose
+    cotangent from the readout is `g`: the new `acc` and the vector that the
+    operator's gradient pairs with it."""
+    carry, grad, ct_readout, dsum = acc
+    k = lo + row
+    x = lax.dynamic_index_in_dim(xs, row, 0, False)
+    g = typed_like(g, x)
+    w = adjoint_vector(carry)
+    abc = None
+    if adj.padded is not None:
+        a, b, _, c_next = (lax.dynamic_index_in_dim(v, k, 0, False) for v in adj.padded)
+        abc = (a, b, c_next)
+        w = a * w
+    carry, dots = adjoint_update(adj.transpose, carry, g, x, abc)
+    if dots is not None:
+        dsum = lax.dynamic_update_index_in_dim(dsum, dots, k, 0)
+    return (carry, grad, ct_readout, dsum), w
+
+
+def _reverse_chunk(adj: _Adjoint, acc, xs, lo, first, size: int):
+    """The adjoint steps of rows `first + size - 1` down to `first` of `xs`
+    (vectors `lo + first + ...`), their pairings with the operator's gradient one
+    batched product reading `xs` in place."""
+
+    if adj.readout.batched and adj.chunk > 1:
+        gs, ct_params = _readout_cotangents(adj, xs, lo, first, size)
+    else:
+        gs, ct_params = None, None
+
+    def step(j, inner):
+        acc, ws = inner
+        row = first + size - 1 - j
+        if gs is not None:
+            g = lax.dynamic_index_in_dim(gs, size - 1 - j, 0, False)
+        else:
+            g, ct_step = _readout_cotangents(adj, xs, lo, row, 1)
+            g = g[0]
+            if ct_step is not None:
+                carry, grad, ct_readout, dsum = acc
+                ct_readout = adj.readout.add_chunk_params(ct_readout, lo + row, ct_step)
+                acc = (carry, grad, ct_readout, dsum)
+        acc, w = _adjoint_step(adj, acc, xs, lo, row, g)
+        if ws is not None:
+            ws = lax.dynamic_update_index_in_dim(ws, w, size - 1 - j, 0)
+        return acc, ws
+
+    ws = jnp.zeros((size, *xs.shape[1:]), xs.dtype) if adj.want_operator else None
+    acc, ws = lax.fori_loop(0, size, step, (acc, ws))
+    carry, grad, ct_readout, dsum = acc
+    if ws is not None:
+        grad = add_param_vjp(adj.operator, grad, xs, first, ws)
+    if ct_params is not None:
+        ct_readout = adj.readout.add_chunk_params(ct_readout, lo + first, ct_params)
+    return carry, grad, ct_readout, dsum
+
+
+def _reverse_vectors(adj: _Adjoint, acc, xs, lo, length: int):
+    """The adjoint steps of vectors `lo + length - 1` down to `lo`, stored in
+    `xs`, in chunks of `adj.chunk` steps (the top one shorter).
 
     `acc` is `(carry, grad, ct_readout, dsum)`: the adjoint carry at vector
     `lo + length` ($\\lambda$, or the pair of a three-term basis), the running
     gradients of the operator and of the readout (`None` when not wanted), and
     the coefficients' products per vector (`None` for the monomial basis)."""
-    xs = _recompute(adj, state, lo, length)
+    size = min(adj.chunk, length)
+    full = length // size
+    top = length - full * size
+    if top:
+        acc = _reverse_chunk(adj, acc, xs, lo, full * size, top)
 
-    def step(j, acc):
-        carry, grad, ct_readout, dsum, ws = acc
-        row = length - 1 - j
-        k = lo + row
-        x = lax.dynamic_index_in_dim(xs, row, 0, False)
-        params = adj.readout.params(k)
-        ct_piece = adj.readout.take(adj.ct, k)
-        if adj.want_readout:
-            _, vjp = eqx.filter_vjp(adj.readout.piece, params, x)
-            ct_params, g = vjp(ct_piece)
-            ct_readout = adj.readout.add_params(ct_readout, k, ct_params)
-        else:
-            _, vjp = eqx.filter_vjp(lambda x: adj.readout.piece(params, x), x)
-            (g,) = vjp(ct_piece)
-        g = typed_like(g.astype(x.dtype), x)
-        lam1 = adjoint_vector(carry)
-        abc = None
-        w = lam1
-        if adj.padded is not None:
-            a, b, _, c_next = (
-                lax.dynamic_index_in_dim(v, k, 0, False) for v in adj.padded
-            )
-            abc = (a, b, c_next)
-            w = a * lam1
-        carry, dots = adjoint_update(adj.transpose, carry, g, x, abc)
-        if adj.want_operator:
-            if adj.batched:
-                ws = lax.dynamic_update_index_in_dim(ws, w, row, 0)
-            else:
-                # Read x_k in place from the segment's stack.
-                grad = add_param_vjp(adj.operator, grad, xs, row, w[None])
-        if dots is not None:
-            dsum = lax.dynamic_update_index_in_dim(dsum, dots, k, 0)
-        return carry, grad, ct_readout, dsum, ws
+    def chunk(c, acc):
+        return _reverse_chunk(adj, acc, xs, lo, (full - 1 - c) * size, size)
 
-    carry, grad, ct_readout, dsum = acc
-    ws = jnp.zeros_like(xs) if adj.want_operator and adj.batched else None
-    carry, grad, ct_readout, dsum, ws = lax.fori_loop(
-        0, length, step, (carry, grad, ct_readout, dsum, ws)
-    )
-    if ws is not None:
-        grad = add_param_vjp(adj.operator, grad, xs, 0, ws)
-    return carry, grad, ct_readout, dsum
+    return lax.fori_loop(0, full, chunk, acc)
 
 
 def readout_adjoint(
@@ -370,7 +475,7 @@ def readout_adjoint(
     x0: Array,
     readout: _Readout,
     coefficients: Coefficients | None,
-    checkpoints,
+    stored,
     ct: Array,
     plan: _Plan,
     want_operator: bool,
@@ -378,9 +483,8 @@ def readout_adjoint(
 ):
     """The cotangents of `x0`, the operator (`None` unless `want_operator`), the
     readout (`None` unless `want_readout`) and the coefficients (`None` without
-    them) for the output's cotangent `ct`."""
+    them) for the output's cotangent `ct`, from what `readout_forward` stored."""
     padded = _padded(coefficients, plan.d)
-    most = chunk_steps(x0, gradient_chunk(operator, x0.size))
     adj = _Adjoint(
         operator,
         operator.transpose(),
@@ -389,7 +493,11 @@ def readout_adjoint(
         ct,
         want_operator,
         want_readout,
-        batched=plan.every <= most,
+        chunk=(
+            chunk_steps(x0, gradient_chunk(operator, x0.size))
+            if x0.size <= SMALL_VECTOR
+            else 1
+        ),
     )
     zeros = jnp.zeros_like(x0)
     carry = zeros if padded is None else (zeros, zeros)
@@ -397,28 +505,28 @@ def readout_adjoint(
     ct_readout = inexact_zeros(readout) if want_readout else None
     dsum = None if padded is None else jnp.zeros((plan.d, 3), x0.dtype)
     acc = (carry, grad, ct_readout, dsum)
-    first = _first_state(x0, padded)
+    if plan.every == 1:
+        acc = _reverse_vectors(adj, acc, stored, 0, plan.d)
+    else:
+        first = _first_state(x0, padded)
 
-    def state_at(c):
-        """The state at segment `c`'s first vector."""
-        if checkpoints is None:
-            return first
-        at = jtu.tree_map(
-            lambda s: lax.dynamic_index_in_dim(s, jnp.maximum(c - 1, 0), 0, False),
-            checkpoints,
+        def segment(c, length, acc):
+            """Segment `c`, from checkpoint `c - 1` (from `x0` for `c == 0`)."""
+
+            def at(s, f):
+                s = lax.dynamic_index_in_dim(s, jnp.maximum(c - 1, 0), 0, False)
+                return jnp.where(c == 0, f, s)
+
+            state = first if stored is None else jtu.tree_map(at, stored, first)
+            lo = c * plan.every
+            xs = _recompute(adj, state, lo, length)
+            return _reverse_vectors(adj, acc, xs, lo, length)
+
+        top = plan.count - 1
+        acc = segment(top, plan.last, acc)
+        acc = lax.fori_loop(
+            0, top, lambda i, acc: segment(top - 1 - i, plan.every, acc), acc
         )
-        return jtu.tree_map(lambda a, f: jnp.where(c == 0, f, a), at, first)
-
-    top = plan.count - 1
-    acc = _reverse_segment(adj, acc, state_at(top), top * plan.every, plan.last)
-    if top:
-
-        def segment(acc, c):
-            return _reverse_segment(
-                adj, acc, state_at(c), c * plan.every, plan.every
-            ), None
-
-        acc, _ = lax.scan(segment, acc, jnp.arange(top), reverse=True)
     carry, grad, ct_readout, dsum = acc
     ct_x0 = typed_like(adjoint_vector(carry), x0)
     ct_coefficients = None
@@ -454,7 +562,7 @@ def _tangent_impl(
     x0,
     readout,
     coefficients,
-    checkpoints,
+    stored,
     plan,
     like,
     t_operator,
@@ -465,7 +573,7 @@ def _tangent_impl(
     """JAX's forward mode through the forward pass, in the arguments that have a
     tangent (the others are closed over, so no product with a zero tangent is
     made)."""
-    del checkpoints, like
+    del stored, like
     primals = (operator, x0, readout, coefficients)
     tangents = (t_operator, t_x0, t_readout, t_coefficients)
     moving = [i for i, t in enumerate(tangents) if jtu.tree_leaves(t)]
@@ -493,7 +601,7 @@ def _tangent_transpose(inputs, ct):
         x0,
         readout,
         coefficients,
-        checkpoints,
+        stored,
         plan,
         like,
         t_operator,
@@ -508,7 +616,7 @@ def _tangent_transpose(inputs, ct):
         x0,
         readout,
         coefficients,
-        checkpoints,
+        stored,
         ct,
         plan,
         want_operator,
@@ -526,7 +634,7 @@ def _tangent_transpose(inputs, ct):
         nones(x0),
         nones(readout),
         nones(coefficients),
-        nones(checkpoints),
+        nones(stored),
         nones(plan),
         nones(like),
         like_tangent(t_operator, ct_operator) if want_operator else nones(t_operator),
@@ -536,7 +644,7 @@ def _tangent_transpose(inputs, ct):
     )
 
 
-# Arguments: (operator, x0, readout, coefficients, checkpoints, plan, like,
+# Arguments: (operator, x0, readout, coefficients, stored, plan, like,
 # t_operator, t_x0, t_readout, t_coefficients); the output is like `like`, a
 # `jax.ShapeDtypeStruct` of the output.
 readout_tangent = tangent_primitive(
@@ -553,7 +661,7 @@ def _readout(operator, x0, readout, coefficients, *, plan):
 def _readout_jvp(primals, tangents, *, plan):
     operator, x0, readout, coefficients = primals
     t_operator, t_x0, t_readout, t_coefficients = tangents
-    out, checkpoints = readout_forward(operator, x0, readout, coefficients, plan, True)
+    out, stored = readout_forward(operator, x0, readout, coefficients, plan, True)
     like = jax.ShapeDtypeStruct(out.shape, out.dtype)
     if coefficients is not None and t_coefficients is None:
         t_coefficients = (None, None, None)
@@ -564,7 +672,7 @@ def _readout_jvp(primals, tangents, *, plan):
         x0,
         readout,
         coefficients,
-        checkpoints,
+        stored,
         plan,
         like,
         tangent_or_none(t_operator),
@@ -590,9 +698,9 @@ def readout(
 # ------------------------------------------------------------ the public API
 
 
-def _check_every(checkpoint_every: Any, d: int, fn_name: str) -> int:
+def _check_every(checkpoint_every: Any, d: int, x0: Array, fn_name: str) -> int:
     if checkpoint_every is None:
-        return default_every(d)
+        return default_every(d, x0)
     every = check_size(checkpoint_every, f"{fn_name}(checkpoint_every=...)")
     return min(every, d)
 
@@ -670,8 +778,8 @@ def krylov_readout(
     recomputes each segment of vectors from its checkpoint on the way back (see the
     docs' adjoint page): with $s$ = `checkpoint_every`, it holds
     $\lceil d/s\rceil - 1$ checkpoints (pairs of vectors for a polynomial basis)
-    and $2s$ vectors of a segment, at the cost of one more forward pass. Forward
-    mode runs the tangents beside the vectors and keeps $O(1)$ vectors.
+    and the $s$ vectors of a segment, at the cost of one more forward pass.
+    Forward mode runs the tangents beside the vectors and keeps $O(1)$ vectors.
 
     **Arguments:**
 
@@ -690,10 +798,12 @@ def krylov_readout(
         readout's first axis, `(p, d)` or `(p, d, b)`, like `C @ krylov(...)`;
         `"rows"` puts it first, `(d, p, ...)`.
     - `checkpoint_every`: the spacing $s$ of the reverse pass's checkpoints, a
-        static `int >= 1` (values above $d$ count as $d$). `None` (default):
-        $\lceil\sqrt d\,\rceil$, which holds $O(\sqrt d)$ vectors. `1` stores
-        every vector and recomputes nothing (the memory of `C @ krylov(...)`,
-        without its time); $d$ stores none but `x0`, and recomputes all.
+        static `int >= 1` (values above $d$ count as $d$). `1` stores every
+        vector and recomputes nothing (the memory of `C @ krylov(...)`, and its
+        time); $\lceil\sqrt d\,\rceil$ holds $O(\sqrt d)$ vectors for one more
+        forward pass; $d$ stores none but `x0`, recomputes all, and holds them
+        at once. `None` (default): `1` while the $d$ vectors take at most
+        16 MiB, else $\lceil\sqrt d\,\rceil$.
 
     **Returns:**
 
@@ -721,7 +831,7 @@ def krylov_readout(
     check_choice(layout, ("columns", "rows"), f"{fn_name}(layout=...)")
     operator, x0, d = check_problem(A, x0, d, fn_name, stacked=False)
     coefficients = _coefficients(basis, d, x0, fn_name)
-    every = _check_every(checkpoint_every, d, fn_name)
+    every = _check_every(checkpoint_every, d, x0, fn_name)
     rows = Rows(_as_readout_matrix(C, x0, fn_name))
     piece = eqx.filter_eval_shape(rows.piece, rows.C, x0)
     check_output_size(d, [piece], fn_name, what="the readout `C x0`")
@@ -797,6 +907,6 @@ def polynomial_action(
         )
         raise ValueError(msg)
     coefficients = _coefficients(basis, d, x0, fn_name)
-    every = _check_every(checkpoint_every, d, fn_name)
+    every = _check_every(checkpoint_every, d, x0, fn_name)
     coeffs = coeffs.astype(standard_result_type(coeffs, x0))
     return readout(operator, x0, Sum(coeffs), coefficients, d, every)
