@@ -1,0 +1,289 @@
+"""Benchmark `krylov_readout` and `polynomial_action` against the materialising path.
+
+Three parts, each timed side by side in one process (float32, CPU), with XLA's
+compiled temporary memory:
+
+- **SSM kernel**: `StateSpaceConv`'s kernel $\\bar K_l = C \\bar A^l \\bar B$ at
+  state size n = 64, c_in = 256 input channels, one output channel, length
+  L = 16384: the value and gradient (in $\\bar A$, $\\bar B$, $C$) of
+  `sum(K * W)` by `krylov_readout(A_bar, B_bar, L, C, layout="rows")` and by the
+  materialising kernel, `einsum(C, krylov(A_bar, B_bar, L, layout="rows"))` (the
+  layer's kernel before the readouts), and the largest relative difference of the
+  kernels.
+- **Sizes** (512, 200) and (32, 5000), dense `A`, vector `x0`: the forward pass,
+  and the gradient (in `A`, `x0` and the readout) of `sum(sin(C X))` for
+  `krylov_readout` with `C` of 8 rows, and of `sum(sin(y))` for
+  `polynomial_action`, each against the same loss through `krylov` (the
+  materialising path).
+- **Checkpoint spacing**: the SSM kernel's gradient for several
+  `checkpoint_every`, the trade-off that argument sets.
+
+Run `python benchmarks/bench_readout.py` (about two minutes on 2 cores) or
+`--quick`. Results go to `--out` (default `benchmarks/out/readout`, git-ignored):
+`results.json` and `results.md`; `--docs` also writes the table to
+`docs/benchmarks/readout.md`.
+"""
+
+import argparse
+from pathlib import Path
+
+import _harness as h
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import krylovjax
+from krylovjax.nn import StateSpaceConv
+
+FULL = {
+    "ssm": (64, 256, 16384),
+    "spacings": [16, 64, None, 512],
+    "sizes": [(512, 200), (32, 5000)],
+    "timing": {"target_s": 1.0, "min_rounds": 5, "max_rounds": 50},
+}
+QUICK = {
+    "ssm": (8, 4, 64),
+    "spacings": [2, None],
+    "sizes": [(16, 20)],
+    "timing": {"target_s": 0.02, "min_rounds": 3, "max_rounds": 5},
+}
+READOUTS = 8
+
+
+def ssm_problem(n, c_in, length):
+    layer = StateSpaceConv(n, c_in, 1, length, dtype=jnp.float32, key=jax.random.key(0))
+    A_bar, B_bar = jax.jit(lambda layer: layer.discretise())(layer)
+    rng = np.random.default_rng(0)
+    W = jnp.asarray(rng.standard_normal((length, 1, c_in)), jnp.float32)
+    return A_bar, B_bar, layer.C, W
+
+
+def ssm_kernel(length, every=None, materialise=False):
+    def kernel(A_bar, B_bar, C):
+        if materialise:
+            blocks = krylovjax.krylov(A_bar, B_bar, length, layout="rows")
+            return jnp.einsum("on,lni->loi", C, blocks)
+        return krylovjax.krylov_readout(
+            A_bar, B_bar, length, C, layout="rows", checkpoint_every=every
+        )
+
+    return kernel
+
+
+def value_and_grad(kernel):
+    def loss(A_bar, B_bar, C, W):
+        return jnp.sum(kernel(A_bar, B_bar, C) * W)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def run_ssm(n, c_in, length, spacings, timing):
+    args = ssm_problem(n, c_in, length)
+    fns = {
+        "readout": (value_and_grad(ssm_kernel(length)), args),
+        "materialising": (value_and_grad(ssm_kernel(length, materialise=True)), args),
+    }
+    results = h.measure(fns, **timing)
+    kernels = [
+        jax.jit(ssm_kernel(length, materialise=m))(*args[:3]) for m in (False, True)
+    ]
+    spacing = h.measure(
+        {
+            str(every): (value_and_grad(ssm_kernel(length, every)), args)
+            for every in spacings
+        },
+        **timing,
+    )
+    return {
+        "n": n,
+        "c_in": c_in,
+        "length": length,
+        "default_every": int(np.ceil(np.sqrt(length))),
+        "temp_bytes": {k: v["temp_bytes"] for k, v in results.items()},
+        "median_s": {k: v["median_s"] for k, v in results.items()},
+        "kernel_difference": h.largest_difference(*kernels),
+        "spacing": {
+            k: {"temp_bytes": v["temp_bytes"], "median_s": v["median_s"]}
+            for k, v in spacing.items()
+        },
+    }
+
+
+def size_problem(n, d):
+    rng = np.random.default_rng(1)
+    A = jnp.asarray(rng.standard_normal((n, n)) / np.sqrt(n) / 2, jnp.float32)
+    x0 = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    C = jnp.asarray(rng.standard_normal((READOUTS, n)) / np.sqrt(n), jnp.float32)
+    theta = jnp.asarray(rng.standard_normal(d) / d, jnp.float32)
+    return A, x0, C, theta
+
+
+def size_fns(d):
+    def readout(A, x0, C, theta, materialise):
+        if materialise:
+            return C @ krylovjax.krylov(A, x0, d)
+        return krylovjax.krylov_readout(A, x0, d, C)
+
+    def action(A, x0, C, theta, materialise):
+        del C
+        if materialise:
+            return krylovjax.krylov(A, x0, d) @ theta
+        return krylovjax.polynomial_action(A, x0, theta)
+
+    fns = {}
+    for name, f in (("krylov_readout", readout), ("polynomial_action", action)):
+        for materialise in (False, True):
+            way = "materialising" if materialise else "readout"
+
+            def forward(A, x0, C, theta, f=f, m=materialise):
+                return f(A, x0, C, theta, m)
+
+            def loss(A, x0, C, theta, f=f, m=materialise):
+                return jnp.sum(jnp.sin(f(A, x0, C, theta, m)))
+
+            fns[(name, way, "forward")] = forward
+            fns[(name, way, "grad")] = jax.grad(loss, argnums=(0, 1, 2, 3))
+    return fns
+
+
+def run_size(n, d, timing):
+    args = size_problem(n, d)
+    out = {"n": n, "d": d}
+    for name in ("krylov_readout", "polynomial_action"):
+        fns = {k: v for k, v in size_fns(d).items() if k[0] == name}
+        results = h.measure({k: (f, args) for k, f in fns.items()}, **timing)
+        median = {
+            f"{way} {mode}": r["median_s"] for (_, way, mode), r in results.items()
+        }
+        temp = {
+            f"{way} {mode}": r["temp_bytes"] for (_, way, mode), r in results.items()
+        }
+        out[name] = {
+            "median_s": median,
+            "temp_bytes": temp,
+            "grad_over_forward": h.ratio(
+                median["readout grad"], median["readout forward"]
+            ),
+            "grad_over_materialising": h.ratio(
+                median["readout grad"], median["materialising grad"]
+            ),
+        }
+    return out
+
+
+def mib(n_bytes):
+    return h.fmt(n_bytes / 2**20, ".3g")
+
+
+def markdown(report):
+    m, s = report["machine"], report["ssm"]
+    t, mem = s["median_s"], s["temp_bytes"]
+    lines = [
+        f"SSM kernel, n = {s['n']}, c_in = {s['c_in']}, L = {s['length']}, one output "
+        "channel, float32: value and gradient of `sum(K * W)`.",
+        "",
+        *h.table(
+            "path | temp MiB | time (ms) | kernel rel. diff",
+            [
+                (
+                    "`krylov_readout`",
+                    mib(mem["readout"]),
+                    h.ms(t["readout"]),
+                    h.fmt(s["kernel_difference"], ".1e"),
+                ),
+                (
+                    "materialising (`krylov` + einsum)",
+                    mib(mem["materialising"]),
+                    h.ms(t["materialising"]),
+                    "-",
+                ),
+                (
+                    "**materialising / readout**",
+                    h.fmt(h.ratio(mem["materialising"], mem["readout"]), ".1f"),
+                    h.fmt(h.ratio(t["materialising"], t["readout"])),
+                    "",
+                ),
+            ],
+            "lrrr",
+        ),
+        "",
+        "Checkpoint spacing (`checkpoint_every`; default "
+        f"ceil(sqrt(L)) = {s['default_every']}), the same gradient:",
+        "",
+        *h.table(
+            "checkpoint_every | temp MiB | time (ms)",
+            [
+                (
+                    f"{k if k != 'None' else 'default'}",
+                    mib(v["temp_bytes"]),
+                    h.ms(v["median_s"]),
+                )
+                for k, v in s["spacing"].items()
+            ],
+            "lrr",
+        ),
+        "",
+        f"Dense `A`, vector `x0`; `krylov_readout` with a ({READOUTS}, n) `C`, loss "
+        "`sum(sin(C X))`; `polynomial_action`, loss `sum(sin(y))`; gradients in "
+        "`A`, `x0`, `C` and the coefficients.",
+        "",
+    ]
+    rows = []
+    for r in report["sizes"]:
+        for name in ("krylov_readout", "polynomial_action"):
+            q = r[name]
+            med = q["median_s"]
+            rows.append(
+                (
+                    f"({r['n']}, {r['d']})",
+                    f"`{name}`",
+                    h.ms(med["readout forward"]),
+                    h.ms(med["readout grad"]),
+                    h.ms(med["materialising grad"]),
+                    h.fmt(q["grad_over_forward"]),
+                    h.fmt(q["grad_over_materialising"]),
+                    mib(q["temp_bytes"]["readout grad"]),
+                    mib(q["temp_bytes"]["materialising grad"]),
+                )
+            )
+    lines += h.table(
+        "(n, d) | function | forward (ms) | grad (ms) | grad, materialising (ms) "
+        "| grad / forward | grad / materialising | grad temp MiB | materialising "
+        "temp MiB",
+        rows,
+        "llrrrrrrr",
+    )
+    lines += [
+        "",
+        f"jax {m['versions']['jax']}, {m['backend']}, {m['cores']} cores, {m['time']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--out", default="benchmarks/out/readout")
+    parser.add_argument("--docs", action="store_true", help="also write the docs table")
+    args = parser.parse_args(argv)
+    h.cpu_by_default()
+    config = QUICK if args.quick else FULL
+    log = h.Log()
+    log(f"SSM kernel {config['ssm']}")
+    ssm = run_ssm(*config["ssm"], config["spacings"], config["timing"])
+    sizes = []
+    for n, d in config["sizes"]:
+        log(f"size ({n}, {d})")
+        sizes.append(run_size(n, d, config["timing"]))
+    report = {"machine": h.machine_info(), "ssm": ssm, "sizes": sizes}
+    text = markdown(report)
+    h.write_results(Path(args.out), report, text)
+    if args.docs:
+        Path("docs/benchmarks/readout.md").write_text(text)
+    print(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
