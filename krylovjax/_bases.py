@@ -42,7 +42,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
-from jaxtyping import Array, ArrayLike, DTypeLike, Float, Real
+from jaxtyping import Array, ArrayLike, DTypeLike, Float, Inexact, Real
 
 from ._checks import as_array, check_dtype, check_shape, check_size
 from ._typing import StaticInt
@@ -127,7 +127,7 @@ def _on_interval(basis: Any, A: Array, B: Array, C: Array) -> Coefficients:
 
 def basis_coefficients(
     basis: "AbstractBasis", d: int, dtype: Any, fn_name: str
-) -> Coefficients:
+) -> tuple[Inexact[Array, " m"], Inexact[Array, " m"], Inexact[Array, " m"]]:
     """`basis.coefficients(d, ...)` for vectors of `dtype`, checked: computed in
     `dtype`'s real dtype (at least float32) and cast to `dtype` (the cast's
     derivative takes the real part for a complex `dtype`)."""
