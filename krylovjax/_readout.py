@@ -86,6 +86,17 @@ from ._typing import OperatorLike, StaticInt
 SMALL_VECTOR = 4096
 
 
+def _zero_piece(readout: "_Readout", params, x0: Array) -> Array:
+    """Zeros like a piece of `readout`, its sharding included (the piece of zeros:
+    one product, typed by JAX's own rules)."""
+    return jnp.zeros_like(readout.piece(params, jnp.zeros_like(x0)))
+
+
+def _stack_like(x: Array, size: int) -> Array:
+    """Zeros of shape `(size, *x.shape)`, each row typed like `x`."""
+    return jnp.broadcast_to(jnp.zeros_like(x)[None], (size, *x.shape))
+
+
 class _Readout(eqx.Module):
     """What a readout reads off the sequence: a piece per step, linear in the
     vector and in the readout's arrays, put into the output. The reverse pass
@@ -156,8 +167,8 @@ class Rows(_Readout):
         return Rows(C)
 
     def empty(self, x0, d):
-        piece = eqx.filter_eval_shape(self.piece, self.C, x0)
-        return jnp.zeros((d, *piece.shape), piece.dtype)
+        zero = _zero_piece(self, self.C, x0)
+        return jnp.broadcast_to(zero[None], (d, *zero.shape))
 
 
 class Sum(_Readout):
@@ -190,8 +201,7 @@ class Sum(_Readout):
 
     def empty(self, x0, d):
         del d
-        piece = eqx.filter_eval_shape(self.piece, self.params(0), x0)
-        return jnp.zeros(piece.shape, piece.dtype)
+        return _zero_piece(self, self.params(0), x0)
 
 
 # -------------------------------------------------------------- forward pass
@@ -297,9 +307,7 @@ def readout_forward(
     every = plan.every
     stack = None
     if keep:
-        stack = jtu.tree_map(
-            lambda v: jnp.zeros((plan.count - 1, *v.shape), v.dtype), state
-        )
+        stack = jtu.tree_map(lambda v: _stack_like(v, plan.count - 1), state)
 
     def segment(carry, c):
         state, out, stack = carry
@@ -324,7 +332,7 @@ def readout_forward(
 def _forward_storing(operator, readout, padded, state, out, plan, keep):
     """`readout_forward` for `every == 1`: every vector stored (with `keep`)."""
     x0 = _current(state)
-    xs = jnp.zeros((plan.d, *x0.shape), x0.dtype) if keep else None
+    xs = _stack_like(x0, plan.d) if keep else None
 
     def body(carry, k):
         state, out, xs = carry
@@ -440,7 +448,7 @@ def _reverse_chunk(adj: _Adjoint, acc, xs, lo, first, size: int):
             ws = lax.dynamic_update_index_in_dim(ws, w, size - 1 - j, 0)
         return acc, ws
 
-    ws = jnp.zeros((size, *xs.shape[1:]), xs.dtype) if adj.want_operator else None
+    ws = _stack_like(xs[0], size) if adj.want_operator else None
     acc, ws = lax.fori_loop(0, size, step, (acc, ws))
     carry, grad, ct_readout, dsum = acc
     if ws is not None:
@@ -503,7 +511,10 @@ def readout_adjoint(
     carry = zeros if padded is None else (zeros, zeros)
     grad = inexact_zeros(operator) if want_operator else None
     ct_readout = inexact_zeros(readout) if want_readout else None
-    dsum = None if padded is None else jnp.zeros((plan.d, 3), x0.dtype)
+    dsum = None
+    if padded is not None:
+        # Typed like a product of two vectors (replicated on an explicit mesh).
+        dsum = typed_like(jnp.zeros((plan.d, 3), x0.dtype), jnp.sum(jnp.zeros_like(x0)))
     acc = (carry, grad, ct_readout, dsum)
     if plan.every == 1:
         acc = _reverse_vectors(adj, acc, stored, 0, plan.d)
