@@ -25,7 +25,8 @@ prints the cells, `--function` and `--only` select some.)
 - `x0`: the starting vector, `"replicated"` (`(n,)`, `P()`), `"rows"` (`(n,)`,
   `P("x")`) or `"block"` (`(n, b)`, split along `b`: `P(None, "x")`);
 - `function`: `krylov`, `chebyshev` (`krylov` with
-  `basis=krylovjax.Chebyshev(-3, 3)`), `iterate`, `arnoldi`, `lanczos`,
+  `basis=krylovjax.Chebyshev(-3, 3)`), `readout` (`krylov_readout` and
+  `polynomial_action`), `iterate`, `arnoldi`, `lanczos`,
   `funm_action`, `trace_funm`, and the layers `nn.KrylovGraphConv`,
   `nn.LinearDynamics` and `nn.StateSpaceConv` (`graph_conv`, `linear_dynamics`,
   `state_space`);
@@ -159,6 +160,13 @@ FUNCTIONS: dict[str, dict] = {
         operators=OPERATORS,
         options=dict(adjoint=("custom_jvp", "custom_vjp", "autodiff")),
         paired=("adjoint",),
+    ),
+    # `krylov_readout` with a (2, n) `C` and `polynomial_action` with d
+    # coefficients, in the monomial basis or `Chebyshev(-3, 3)`, checkpointing
+    # every 2 vectors (`every`: 2) or storing every vector (1).
+    "readout": dict(
+        operators=OPERATORS,
+        options=dict(basis=("monomial", "chebyshev"), every=("2", "1")),
     ),
     "linear_dynamics": dict(operators=("dense",), options={}),
     "graph_conv": dict(operators=("dense", "bcoo"), options={}),
@@ -483,6 +491,12 @@ class Problem:
                 rng.standard_normal(layer.bias.shape),
             )
             self.layer = layer
+        elif function == "readout":
+            self._add(
+                "x0", rng.standard_normal(x_shape), "x0", rng.standard_normal(x_shape)
+            )
+            self._add("C", rng.standard_normal((2, n)), "replicated", T[:2])
+            self._add("theta", rng.standard_normal(d), "replicated", T[0, :d])
         elif function == "linear_dynamics":
             layer = nn.LinearDynamics(n, d, learn_x0=False, key=jax.random.key(1))
             self._add("S", np.asarray(layer.transition), "A", T)
@@ -552,6 +566,19 @@ class Problem:
                 adjoint=options["adjoint"],
                 layout=options["layout"],
             )
+        if f == "readout":
+            A = self.operator_of(a)
+            basis = None
+            if options["basis"] == "chebyshev":
+                basis = krylovjax.Chebyshev(-3.0, 3.0)
+            every = int(options["every"])
+            y = krylovjax.krylov_readout(
+                A, a["x0"], d, a["C"], basis=basis, checkpoint_every=every
+            )
+            z = krylovjax.polynomial_action(
+                A, a["x0"], a["theta"], basis=basis, checkpoint_every=every
+            )
+            return y, z
         if f == "iterate":
             step = self.operator_of(a)
             if self.operator == "bcoo":
@@ -714,6 +741,8 @@ def _reference_operator(function, operator):
 
 
 def _reference_options(function, options):
+    if function == "readout":
+        return (("basis", options["basis"]),)
     return (("method", options["method"]),) if function == "funm_action" else ()
 
 
@@ -1031,7 +1060,7 @@ def _decomposition_specs(record) -> list:
 # once and neither computes the other's references.
 SHARDS = (
     ("krylov", "iterate", "linear_dynamics", "graph_conv", "state_space", "trace_funm"),
-    ("arnoldi", "lanczos", "funm_action", "chebyshev"),
+    ("arnoldi", "lanczos", "funm_action", "chebyshev", "readout"),
 )
 
 
