@@ -375,12 +375,21 @@ def _recompute(adj: _Adjoint, state, lo, length: int) -> Array:
     stack = jnp.broadcast_to(jnp.zeros_like(first)[None], (length, *first.shape))
     stack = lax.dynamic_update_index_in_dim(stack, first, 0, 0)
 
-    def body(j, carry):
+    if adj.padded is None:
+        # The monomial step reads its vector from the stack: no carried copy.
+        def body(j, stack):
+            x = lax.dynamic_index_in_dim(stack, j, 0, False)
+            y = forward_step(adj.operator, None, x, None)
+            return lax.dynamic_update_index_in_dim(stack, y, j + 1, 0)
+
+        return lax.fori_loop(0, length - 1, body, stack)
+
+    def body3(j, carry):
         state, stack = carry
         state = _advance(adj.operator, state, adj.padded, lo + j)
         return state, lax.dynamic_update_index_in_dim(stack, _current(state), j + 1, 0)
 
-    return lax.fori_loop(0, length - 1, body, (state, stack))[1]
+    return lax.fori_loop(0, length - 1, body3, (state, stack))[1]
 
 
 def _readout_cotangents(adj: _Adjoint, xs, k0, first, size: int):
