@@ -1,6 +1,7 @@
 """Tests of `krylov_readout` and `polynomial_action`.
 
-Values and derivatives (VJP and JVP) are compared with the materialising path,
+Values and derivatives (VJP and JVP) are compared with the materialising path (on a
+grid and on random problems),
 `C @ krylov(...)` and a `tensordot` with `krylov(...)`, differentiated by plain
 autodiff (`adjoint="autodiff"`), in float64; then against finite differences and a
 closed form on a diagonal matrix. The compiled memory of the reverse pass shows
@@ -24,6 +25,7 @@ from helpers import (
     unchecked,
     value_vjp_jvp,
 )
+from hypothesis import given, settings, strategies as st
 from jax.experimental import sparse
 
 import krylovjax
@@ -136,6 +138,19 @@ def test_matches_materialising_path(kind, basis):
 )
 def test_depths_and_checkpoint_spacings(kind, d, every):
     _compare(kind, "three_term", d, every)
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    kind=st.sampled_from(["dense", "bcoo", "closure"]),
+    basis=st.sampled_from(list(BASES)),
+    d=st.integers(1, 12),
+    every=st.one_of(st.none(), st.integers(1, 13)),
+    block=st.one_of(st.none(), st.integers(1, 3)),
+    seed=st.integers(0, 2**16),
+)
+def test_random_problems_match_materialising_path(kind, basis, d, every, block, seed):
+    _compare(kind, basis, d, every, block=block, seed=seed)
 
 
 def test_mixing_coefficients_and_callable_readout():
