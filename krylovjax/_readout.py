@@ -400,7 +400,13 @@ def _readout_cotangents(adj: _Adjoint, xs, k0, first, size: int):
     params, axis = adj.readout.chunk_params(k0 + first, size)
     ct = adj.readout.chunk_take(adj.ct, k0 + first, size)
     xs = lax.dynamic_slice_in_dim(xs, first, size)
-    pieces = eqx.filter_vmap(adj.readout.piece, in_axes=(axis, 0))
+
+    def pieces(params, xs):
+        if axis is None:
+            # Shared arrays (a matrix, BCOO or a callable's): closed over.
+            return jax.vmap(lambda x: adj.readout.piece(params, x))(xs)
+        return jax.vmap(adj.readout.piece, in_axes=(axis, 0))(params, xs)
+
     if adj.want_readout:
         _, vjp = eqx.filter_vjp(pieces, params, xs)
         ct_params, gs = vjp(ct)

@@ -310,8 +310,18 @@ def test_sparse_readout_matrix_and_rows_layout():
     x0 = jnp.array([1.0, 1.0, 1.0])
     C = jnp.array([[1.0, 0.0, 2.0], [0.0, 0.0, 1.0]])
     want = C @ krylovjax.krylov(A, x0, 4)
-    got = krylovjax.krylov_readout(A, x0, 4, sparse.BCOO.fromdense(C))
+    Cs = sparse.BCOO.fromdense(C)
+    got = krylovjax.krylov_readout(A, x0, 4, Cs)
     np.testing.assert_allclose(got, want, rtol=1e-15)
+
+    # The gradient of a BCOO readout's stored values: the dense gradient there.
+    def loss(data):
+        C = sparse.BCOO((data, Cs.indices), shape=Cs.shape)
+        return jnp.sum(jnp.sin(krylovjax.krylov_readout(A, x0, 4, C)))
+
+    dense = jax.grad(lambda C: jnp.sum(jnp.sin(C @ krylovjax.krylov(A, x0, 4))))(C)
+    rows, cols = np.asarray(Cs.indices).T
+    np.testing.assert_allclose(jax.grad(loss)(Cs.data), dense[rows, cols], rtol=1e-14)
     rows = krylovjax.krylov_readout(A, x0, 4, C, layout="rows")
     np.testing.assert_allclose(rows, want.T, rtol=1e-15)
     # A float32 matrix with a float64 readout promotes.
