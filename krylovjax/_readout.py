@@ -176,6 +176,7 @@ class Sum(_Readout):
     $\sum_k x_k W_k$ for `coeffs` of shape `(d, b_in, b_out)`."""
 
     coeffs: Array
+    batched = True
 
     def params(self, k):
         return lax.dynamic_index_in_dim(self.coeffs, k, 0, False)
