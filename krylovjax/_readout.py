@@ -226,7 +226,7 @@ class _Plan(eqx.Module):
 
 # Below this many bytes for the d vectors, the default stores them all: the
 # reverse pass then recomputes nothing, as fast as the materialising path.
-STORE_ALL_BYTES = 16 * 2**20
+STORE_ALL_BYTES = 256 * 2**20
 
 
 def default_every(d: int, x0: Array) -> int:
@@ -830,7 +830,7 @@ def krylov_readout(
         time); $\lceil\sqrt d\,\rceil$ holds $O(\sqrt d)$ vectors for one more
         forward pass; $d$ stores none but `x0`, recomputes all, and holds them
         at once. `None` (default): `1` while the $d$ vectors take at most
-        16 MiB, else $\lceil\sqrt d\,\rceil$.
+        256 MiB, else $\lceil\sqrt d\,\rceil$.
 
     **Returns:**
 

@@ -64,8 +64,9 @@ class StateSpaceConv(eqx.Module):
 
     **Memory.** The block Krylov matrix, $n\, c_\text{in} L$ numbers, is never
     formed: the kernel's forward pass keeps one $(n, c_\text{in})$ block and the
-    kernel, and its reverse pass about $3\sqrt L$ blocks (checkpoints every
-    $\lceil\sqrt L\,\rceil$ steps and one recomputed segment). At $n = 64$,
+    kernel, and its reverse pass, once the $L$ blocks would take more than
+    256 MiB, about $3\sqrt L$ blocks (checkpoints every $\lceil\sqrt L\,\rceil$
+    steps and one recomputed segment; below that it stores them). At $n = 64$,
     $c_\text{in} = 256$, $L = 16384$ in float32 the kernel's value and gradient
     take 32 MiB of temporaries where the matrix alone is 1 GiB.
 
