@@ -170,6 +170,23 @@ def graph_edges(g: dict) -> tuple[np.ndarray, np.ndarray]:
 # outputs) and `extract` (the outputs as named NumPy arrays, to check agreement).
 
 
+def jax_setup(fn, args, names) -> dict:
+    """`fn` compiled for `args`: its call, its outputs as NumPy arrays named by
+    `names`, the compile time and XLA's compiled memory."""
+    import jax
+
+    compiled, compile_s = h.compile_timed(fn, args)
+
+    def extract(out):
+        leaves = jax.tree.leaves(out)
+        return {k: np.asarray(v) for k, v in zip(names, leaves, strict=True)}
+
+    call = h.ready(compiled, args)
+    return {"call": call, "extract": extract, "compile_s": compile_s} | {
+        "xla": h.memory(compiled)
+    }
+
+
 def setup_krylovjax(case: str, g: dict, d: int) -> dict:
     import equinox as eqx
     import jax
@@ -215,16 +232,7 @@ def setup_krylovjax(case: str, g: dict, d: int) -> dict:
 
         args = (model, data, indices, X, jnp.asarray(g["V"]))
         names = ("loss", "X", "weight", "bias")
-    compiled, compile_s = h.compile_timed(fn, args)
-
-    def extract(out):
-        leaves = jax.tree.leaves(out)
-        return {k: np.asarray(v) for k, v in zip(names, leaves, strict=True)}
-
-    call = h.ready(compiled, args)
-    return {"call": call, "extract": extract, "compile_s": compile_s} | {
-        "xla": h.memory(compiled)
-    }
+    return jax_setup(fn, args, names)
 
 
 def setup_krylovjax_cheb(case: str, g: dict) -> dict:
@@ -265,16 +273,7 @@ def setup_krylovjax_cheb(case: str, g: dict) -> dict:
     else:
         fn, args = grad, (model, data, indices, X, V)
         names = ("loss", "X", "weight", "bias")
-    compiled, compile_s = h.compile_timed(fn, args)
-
-    def extract(out):
-        leaves = jax.tree.leaves(out)
-        return {k: np.asarray(v) for k, v in zip(names, leaves, strict=True)}
-
-    call = h.ready(compiled, args)
-    return {"call": call, "extract": extract, "compile_s": compile_s} | {
-        "xla": h.memory(compiled)
-    }
+    return jax_setup(fn, args, names)
 
 
 def setup_krylovjax_filter(g: dict, materialise: bool) -> dict:
@@ -304,17 +303,7 @@ def setup_krylovjax_filter(g: dict, materialise: bool) -> dict:
 
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
     args = (data, X, theta, indices, w)
-    compiled, compile_s = h.compile_timed(fn, args)
-    names = ("loss", "values", "X", "theta")
-
-    def extract(out):
-        leaves = jax.tree.leaves(out)
-        return {k: np.asarray(v) for k, v in zip(names, leaves, strict=True)}
-
-    call = h.ready(compiled, args)
-    return {"call": call, "extract": extract, "compile_s": compile_s} | {
-        "xla": h.memory(compiled)
-    }
+    return jax_setup(fn, args, ("loss", "values", "X", "theta"))
 
 
 def setup_pyg_filter(g: dict) -> dict:

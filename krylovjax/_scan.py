@@ -83,7 +83,13 @@ from ._operator import AbstractOperator, DenseOperator
 from ._rules import fold_batch, reverse_rule, tangent_or_none
 from ._sequence import trajectory, with_first
 from ._sharding import is_split, typed_like
-from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
+from ._tangent import (
+    coefficient_cotangents,
+    is_tangent,
+    like_tangent,
+    nones,
+    tangent_primitive,
+)
 
 # Up to this many steps, the reverse pass runs its chunks without a loop.
 UNROLLED_STEPS = 16
@@ -639,13 +645,7 @@ def _tangent_transpose(inputs, g):
         operator, x0, stored, g, want_operator, coefficients
     )
     ct_operator = like_tangent(t_operator, ct_operator) if want_operator else None
-    if ct_coefficients is None or t_coefficients is None:
-        ct_coefficients = nones(t_coefficients)
-    else:
-        ct_coefficients = tuple(
-            ct if is_tangent(t) else None
-            for t, ct in zip(t_coefficients, ct_coefficients, strict=True)
-        )
+    ct_coefficients = coefficient_cotangents(t_coefficients, ct_coefficients)
     return (
         nones(operator),
         nones(x0),

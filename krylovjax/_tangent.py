@@ -63,6 +63,18 @@ def like_tangent(tangent, ct):
     )
 
 
+def coefficient_cotangents(t_coefficients, ct_coefficients):
+    """The basis coefficients' cotangents `(a, b, c)` where their tangent
+    arguments `t_coefficients` are tangents, `None` elsewhere (all `None`
+    without coefficients or without their cotangents)."""
+    if ct_coefficients is None or t_coefficients is None:
+        return nones(t_coefficients)
+    return tuple(
+        ct if is_tangent(t) else None
+        for t, ct in zip(t_coefficients, ct_coefficients, strict=True)
+    )
+
+
 def _zeros_like_inexact(tree):
     return jtu.tree_map(
         lambda x: jnp.zeros_like(x) if eqx.is_inexact_array(x) else None, tree

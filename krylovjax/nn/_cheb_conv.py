@@ -218,11 +218,11 @@ class ChebGraphConv(eqx.Module):
     `adjacency` (dense or BCOO) and $\lambda_\max$.
 
     **Memory.** The blocks $T_k(\hat L^\top) X$ are summed into the output as
-    they are made: the forward pass keeps two of them, and the reverse pass,
-    once the $K$ blocks ($N K F_\text{in}$ numbers) would take more than 256 MiB,
-    about $3\sqrt K$ arrays of the size of $X$ (checkpoints of pairs of blocks
-    every $\lceil\sqrt K\,\rceil$ degrees, and one recomputed segment); below
-    that it stores the blocks and recomputes nothing.
+    they are made: the forward pass keeps two of them. The reverse pass stores
+    the $K$ blocks ($N K F_\text{in}$ numbers) and recomputes nothing, unless
+    they would take more than 256 MiB and $K$ is about 28 or more: then about $3\sqrt K$
+    arrays of the size of $X$ (checkpoints of pairs of blocks every
+    $\lceil\sqrt K\,\rceil$ degrees, and one recomputed segment).
     The Laplacian is built densely ($N^2$ numbers) for a dense
     `adjacency`, and for a BCOO one as a BCOO matrix of its entries plus $N$
     diagonal ones, so a sparse graph stays sparse.

@@ -141,11 +141,10 @@ class KrylovGraphConv(eqx.Module):
     $\hat A$ may be dense or a BCOO matrix, and its values get gradients too.
 
     **Memory.** The forward pass keeps $H$, one hop $\hat A^j H$ and the output;
-    the reverse pass, once the $k + 1$ hops would take more than 256 MiB, about
+    the reverse pass stores the $k + 1$ hops and recomputes nothing, unless they
+    would take more than 256 MiB and $k + 1$ is about 12 or more: then about
     $2\sqrt{k+1}$ arrays of the size of $H$ (checkpoints every
-    $\lceil\sqrt{k+1}\,\rceil$ hops and one recomputed segment) where the block
-    Krylov matrix $[H \mid \dots \mid \hat A^k H]$ would be $k + 1$; below that
-    it stores the hops and recomputes nothing (see
+    $\lceil\sqrt{k+1}\,\rceil$ hops and one recomputed segment; see
     [`krylovjax.polynomial_action`][]).
 
     !!! Example
