@@ -15,6 +15,11 @@ from ._funm import funm_action as funm_action, trace_funm as trace_funm
 from ._iterate import iterate as iterate
 from ._krylov import auto_method as auto_method, krylov as krylov
 from ._lanczos import Lanczos as Lanczos, lanczos as lanczos
+from ._partition import (
+    GraphPartition as GraphPartition,
+    PartitionedOperator as PartitionedOperator,
+    partition_graph as partition_graph,
+)
 from ._readout import (
     krylov_readout as krylov_readout,
     polynomial_action as polynomial_action,
@@ -26,10 +31,12 @@ __all__ = [
     "AbstractBasis",
     "Arnoldi",
     "Chebyshev",
+    "GraphPartition",
     "Jacobi",
     "Lanczos",
     "Legendre",
     "OperatorLike",
+    "PartitionedOperator",
     "StaticInt",
     "ThreeTerm",
     "arnoldi",
@@ -40,6 +47,7 @@ __all__ = [
     "krylov_readout",
     "lanczos",
     "nn",
+    "partition_graph",
     "polynomial_action",
     "spectrum_interval",
     "trace_funm",

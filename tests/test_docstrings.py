@@ -29,6 +29,7 @@ CORE_MODULES = [
     "krylovjax._lanczos",
     "krylovjax._funm",
     "krylovjax._readout",
+    "krylovjax._partition",
 ]
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 # Hand-written pages whose ```python blocks are doctest sessions.
