@@ -13,8 +13,9 @@ default, or one the user gives) and cut into `P` equal blocks of `n_local` rows 
 last padded with empty rows, so that `P * n_local >= n`). Device $i$ keeps the entries
 of its rows. A column that another device $j$ owns is a halo row: device $i$ receives
 it from $j$ over the *shift* $s = (i - j) \bmod P$. For each shift with any halo, one
-`lax.ppermute` sends every device's rows for the device $s$ places after it, padded to
-the largest such list; a graph numbered with locality has halos over few shifts.
+`lax.ppermute` sends, from every device that has rows for the device $s$ places after
+it, a buffer as long as the largest such list; a graph numbered with locality has
+halos over few shifts.
 
 **The product** ($y = A x$ on device $i$):
 
@@ -90,7 +91,7 @@ class PartitionedOperator(eqx.Module):
     rows: Int[Array, "parts entries"]
     cols: Int[Array, "parts entries"]
     sends: tuple[Int[Array, "parts _"], ...]
-    shifts: tuple[int, ...] = eqx.field(static=True)
+    pairs: tuple[tuple[tuple[int, int], ...], ...] = eqx.field(static=True)
     mesh: Mesh = eqx.field(static=True)
     axis: str = eqx.field(static=True)
     n_local: int = eqx.field(static=True)
@@ -143,8 +144,7 @@ class PartitionedOperator(eqx.Module):
         local = partial(
             _local_product,
             axis=self.axis,
-            parts=self.mesh.shape[self.axis],
-            shifts=self.shifts,
+            pairs=self.pairs,
             n_local=self.n_local,
         )
         product = jax.shard_map(
@@ -163,14 +163,13 @@ class PartitionedOperator(eqx.Module):
         return typed_like(y, x)
 
 
-def _local_product(values, rows, cols, sends, x, *, axis, parts, shifts, n_local):
-    """One device's rows of $A x$: receive the halo rows over each shift, append
-    them to the local rows, and multiply by the local entries."""
+def _local_product(values, rows, cols, sends, x, *, axis, pairs, n_local):
+    """One device's rows of $A x$: receive the halo rows over each shift (from the
+    devices that have any for it; the others receive zeros, which no entry reads),
+    append them to the local rows, and multiply by the local entries."""
     received = [
-        lax.ppermute(
-            x[send[0]], axis, perm=[(j, (j + s) % parts) for j in range(parts)]
-        )
-        for s, send in zip(shifts, sends, strict=True)
+        lax.ppermute(x[send[0]], axis, perm=list(perm))
+        for perm, send in zip(pairs, sends, strict=True)
     ]
     extended = jnp.concatenate([x, *received], axis=0) if received else x
     indices = jnp.stack([rows[0], cols[0]], axis=1)
@@ -239,15 +238,15 @@ class GraphPartition:
 
     def bytes_per_product(self, width: int = 1, dtype: Any = np.float32) -> int:
         """The bytes each product sends over the wire, summed over the devices, for
-        vectors of `width` columns of `dtype`: the padded halo buffers, one per
-        device and shift."""
-        padded = sum(self.num_parts * int(self.halo_max(s)) for s in self.shifts)
-        return padded * width * np.dtype(dtype).itemsize
-
-    def halo_max(self, shift: int) -> int:
-        """The length of the buffer sent over `shift`: the largest halo over it."""
-        i = np.arange(self.num_parts)
-        return int(self.halo[i, (i - shift) % self.num_parts].max())
+        vectors of `width` columns of `dtype`: for each shift, one buffer as long
+        as the shift's largest halo from every device that sends any rows over it."""
+        rows = sum(
+            len(pairs) * send.shape[1]
+            for pairs, send in zip(
+                self._layout["pairs"], self._layout["sends"], strict=True
+            )
+        )
+        return rows * width * np.dtype(dtype).itemsize
 
     def to_partitioned(self, x: ArrayLike) -> Array:
         """`x` of shape `(n, ...)` in the input numbering as `(P * n_local, ...)` in
@@ -277,8 +276,9 @@ class GraphPartition:
         return _permute_rows(y, jnp.asarray(self._inverse))
 
     def to_partitioned_values(self, values: ArrayLike) -> Array:
-        """One value per stored entry of the input matrix, in its order, as the
-        `(P, m)` values of a `PartitionedOperator` (for
+        """One value per stored entry of the input matrix, in its order (its
+        `data`, padding included), as the `(P, m)` values of a
+        `PartitionedOperator` (for
         [`krylovjax.PartitionedOperator.with_values`][]; differentiable, so a
         loss of the operator has a gradient in the input's entries)."""
         values = jnp.asarray(values)
@@ -294,12 +294,16 @@ class GraphPartition:
             raise TypeError(msg)
         shape = self._layout["rows"].shape
         flat = jnp.zeros(math.prod(shape), values.dtype)
-        return flat.at[jnp.asarray(self._entries)].set(values).reshape(shape)
+        flat = flat.at[jnp.asarray(self._entries)].set(
+            values, mode="drop", unique_indices=True
+        )
+        return flat.reshape(shape)
 
     def from_partitioned_values(self, values: ArrayLike) -> Array:
         """The inverse of `to_partitioned_values`: the `(P, m)` values of a
         `PartitionedOperator` (or their gradient) as one value per entry of the
-        input matrix, in its order (differentiable)."""
+        input matrix, in its order (differentiable). Entries outside the matrix
+        (JAX's padding) get zero, as their gradient in JAX's own products."""
         values = jnp.asarray(values)
         expected = self._layout["rows"].shape
         if values.shape != expected:
@@ -360,7 +364,7 @@ class GraphPartition:
             rows=_place(layout["rows"], sharding),
             cols=_place(layout["cols"], sharding),
             sends=tuple(_place(s, sharding) for s in layout["sends"]),
-            shifts=layout["shifts"],
+            pairs=layout["pairs"],
             mesh=mesh,
             axis=axis,
             n_local=self.n_local,
@@ -387,15 +391,11 @@ def _place(array: np.ndarray, sharding: NamedSharding) -> Array:
 
 
 def _rcm_order(rows: np.ndarray, cols: np.ndarray, n: int) -> np.ndarray:
-    try:
-        from scipy.sparse import coo_matrix
-        from scipy.sparse.csgraph import reverse_cuthill_mckee
-    except ImportError as err:  # pragma: no cover - SciPy is an extra
-        msg = (
-            '`partition_graph(order="rcm")` needs SciPy: `pip install scipy` (or '
-            "`krylovjax[graphs]`), or pass `order=None` or your own permutation."
-        )
-        raise ImportError(msg) from err
+    """Reverse Cuthill-McKee of the symmetrised pattern (SciPy, which JAX
+    requires)."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import reverse_cuthill_mckee
+
     ones = np.ones(rows.size, np.int8)
     pattern = coo_matrix((ones, (rows, cols)), shape=(n, n)).tocsr()
     return np.asarray(reverse_cuthill_mckee(pattern + pattern.T, symmetric_mode=True))
@@ -467,7 +467,7 @@ def partition_graph(
 
         ```
     """
-    rows, cols, values, n = _entries_of(A)
+    rows, cols, values, n, inside = _entries_of(A)
     num_parts = _check_parts(num_parts)
     if isinstance(order, str):
         if order != "rcm":
@@ -484,7 +484,10 @@ def partition_graph(
     n_local = max(1, -(-n // num_parts))
     inverse = np.empty(n, np.int64)
     inverse[order] = np.arange(n)
-    layout, entries = _layout(inverse[rows], inverse[cols], values, num_parts, n_local)
+    layout, slots = _layout(inverse[rows], inverse[cols], values, num_parts, n_local)
+    # Every stored entry's slot; a dropped one gets its own slot past the end.
+    entries = layout["rows"].size + np.arange(inside.size)
+    entries[inside] = slots
     return GraphPartition(
         num_nodes=n,
         num_parts=num_parts,
@@ -510,7 +513,9 @@ def _check_parts(num_parts: Any) -> int:
 
 
 def _entries_of(A: Any) -> tuple:
-    """`(rows, cols, values, n)` of a BCOO or SciPy matrix, padding dropped."""
+    """`(rows, cols, values, n, inside)` of a BCOO or SciPy matrix: the entries
+    inside the matrix, and which of the stored entries they are (JAX's padding,
+    entries outside the matrix, is dropped)."""
     if isinstance(A, sparse.BCOO):
         if A.ndim != 2 or A.n_batch or A.n_dense or A.shape[0] != A.shape[1]:
             msg = (
@@ -549,9 +554,7 @@ def _entries_of(A: Any) -> tuple:
         )
         raise TypeError(msg)
     inside = (rows >= 0) & (rows < n) & (cols >= 0) & (cols < n)
-    if not inside.all():
-        rows, cols, values = rows[inside], cols[inside], values[inside]
-    return rows, cols, values, n
+    return rows[inside], cols[inside], values[inside], n, inside
 
 
 def _layout(rows, cols, values, parts: int, n_local: int) -> tuple[dict, np.ndarray]:
@@ -562,9 +565,14 @@ def _layout(rows, cols, values, parts: int, n_local: int) -> tuple[dict, np.ndar
     # Each device's halo: the distinct remote columns its rows read, grouped by
     # shift and sorted by column within a shift.
     shift = (owner - col_owner) % parts
-    need = np.unique(np.stack([owner[remote], shift[remote], cols[remote]], 1), axis=0)
-    halo = np.zeros((parts, parts), np.int64)
-    np.add.at(halo, (need[:, 0], (need[:, 0] - need[:, 1]) % parts), 1)
+    span = parts * n_local
+    keys = (owner * parts + shift) * span + cols  # sorted like (owner, shift, col)
+    need_keys = np.unique(keys[remote])
+    group, need_cols = np.divmod(need_keys, span)
+    need = np.stack([group // parts, group % parts, need_cols], 1)
+    senders = (need[:, 0] - need[:, 1]) % parts
+    halo = np.bincount(need[:, 0] * parts + senders, minlength=parts * parts)
+    halo = halo.reshape(parts, parts)
     i = np.arange(parts)
     shifts = tuple(s for s in range(1, parts) if halo[i, (i - s) % parts].max() > 0)
     lengths = {s: int(halo[i, (i - s) % parts].max()) for s in shifts}
@@ -572,10 +580,13 @@ def _layout(rows, cols, values, parts: int, n_local: int) -> tuple[dict, np.ndar
     for s in shifts:
         offset[s], start = start, start + lengths[s]
     # Position of each needed column in its receiver's buffer for its shift.
-    group = need[:, 0] * parts + need[:, 1]
     first = np.searchsorted(group, group, side="left")
     rank = np.arange(len(need)) - first
     sends = []
+    pairs = tuple(
+        tuple((j, (j + s) % parts) for j in range(parts) if halo[(j + s) % parts, j])
+        for s in shifts
+    )
     for s in shifts:
         send = np.zeros((parts, lengths[s]), np.int32)
         here = need[:, 1] == s
@@ -585,8 +596,6 @@ def _layout(rows, cols, values, parts: int, n_local: int) -> tuple[dict, np.ndar
     # The extended column of every entry.
     ext = cols % n_local
     if remote.any():
-        keys = (owner * parts + shift) * (parts * n_local) + cols
-        need_keys = (need[:, 0] * parts + need[:, 1]) * (parts * n_local) + need[:, 2]
         where = np.searchsorted(need_keys, keys[remote])
         pos = np.array([offset.get(s, 0) for s in range(parts)], np.int64)
         ext[remote] = pos[need[where, 1]] + rank[where]
@@ -609,6 +618,7 @@ def _layout(rows, cols, values, parts: int, n_local: int) -> tuple[dict, np.ndar
         "values": local_values.reshape(parts, m),
         "sends": sends,
         "shifts": shifts,
+        "pairs": pairs,
         "halo": halo,
     }
     return layout, slots

@@ -152,6 +152,18 @@ def test_padding_and_out_of_range_entries_are_dropped():
     x = jnp.arange(6.0)
     np.testing.assert_allclose(op(part.to_partitioned(x)), A @ x, rtol=1e-14)
 
+    # The padded matrix's own `data` is accepted; its padding gets a zero gradient.
+    def loss(w):
+        op2 = op.with_values(part.to_partitioned_values(w))
+        return jnp.sum(op2(part.to_partitioned(x)) ** 2)
+
+    grad = jax.grad(loss)(padded.data)
+    want = jax.grad(
+        lambda w: jnp.sum((sparse.BCOO((w, padded.indices), shape=(6, 6)) @ x) ** 2)
+    )(padded.data)
+    np.testing.assert_allclose(grad, want, rtol=1e-14)
+    assert grad[-2:].tolist() == [0.0, 0.0]
+
 
 def test_scipy_input_and_graph_conv():
     scipy_sparse = pytest.importorskip("scipy.sparse")
