@@ -96,13 +96,14 @@ def computations(A, part=None, mesh=None):
 
     out = {}
     x = to(x0)
-    X = jax.jit(lambda op, v, x: krylovjax.krylov(make(op, v), x, D))(op, values, x)
-    out["krylov"] = back(X)
 
     def loss(op, v, x):
-        return jnp.sum(jnp.sin(krylovjax.krylov(make(op, v), x, D)))
+        X = krylovjax.krylov(make(op, v), x, D)
+        return jnp.sum(jnp.sin(X)), X
 
-    g_values, g_x = jax.jit(jax.grad(loss, (1, 2)))(op, values, x)
+    grad = jax.grad(loss, (1, 2), has_aux=True)
+    (g_values, g_x), X = jax.jit(grad)(op, values, x)
+    out["krylov"] = back(X)
     out["krylov_grad_values"] = gather(g_values)
     out["krylov_grad_x0"] = back(g_x)
 
@@ -118,15 +119,14 @@ def computations(A, part=None, mesh=None):
     out["lanczos_diagonal"] = gather(lz.diagonal)
     out["lanczos_off_diagonal"] = gather(lz.off_diagonal)
 
-    def funm(op, v, x):
-        return krylovjax.funm_action(jnp.exp, make(op, v), x, D, method="lanczos")
-
-    out["funm"] = back(jax.jit(funm)(op, values, x))
-
     def funm_loss(op, v, x):
-        return jnp.sum(funm(op, v, x) ** 2)
+        y = krylovjax.funm_action(jnp.exp, make(op, v), x, D, method="lanczos")
+        return jnp.sum(y**2), y
 
-    fg_values, fg_x = jax.jit(jax.grad(funm_loss, (1, 2)))(op, values, x)
+    (fg_values, fg_x), y = jax.jit(jax.grad(funm_loss, (1, 2), has_aux=True))(
+        op, values, x
+    )
+    out["funm"] = back(y)
     out["funm_grad_values"] = gather(fg_values)
     out["funm_grad_x0"] = back(fg_x)
 
@@ -152,9 +152,6 @@ def computations(A, part=None, mesh=None):
         conv, state, value, g_v = step(conv, state, op, values, h)
     out["conv_loss"] = gather(value)
     out["conv_grad_values"] = gather(g_v)
-    out["conv_out"] = back(
-        jax.jit(lambda c, op, v, h: c(make(op, v), h))(conv, op, values, h)
-    )
     out["conv_weight"] = gather(conv.weight)
     return out
 

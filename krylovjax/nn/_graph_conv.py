@@ -38,26 +38,28 @@ def _is_scipy_sparse(x: Any) -> bool:
     return scipy_sparse is not None and scipy_sparse.issparse(x)
 
 
-def _as_adjacency(
-    adjacency: Any, arg: str, dtype: Any | None, partitioned: bool = False
-) -> Array | sparse.BCOO | PartitionedOperator:
-    """A dense array or a two-dimensional BCOO matrix promoted with `dtype` (or,
-    if `partitioned`, a `PartitionedOperator` with its values promoted).
+def _as_partitioned(
+    adjacency: PartitionedOperator, arg: str, dtype: Any
+) -> PartitionedOperator:
+    """A `PartitionedOperator` with its values promoted with `dtype`."""
+    values = as_input(adjacency.values, arg, dtype)
+    return eqx.tree_at(lambda op: op.values, adjacency, values)
+
+
+def _as_adjacency(adjacency: Any, arg: str, dtype: Any | None) -> Array | sparse.BCOO:
+    """A dense array or a two-dimensional BCOO matrix promoted with `dtype`.
 
     Array-likes (nested lists, NumPy arrays) become JAX arrays; the values are
     promoted as by `as_input`. Other sparse formats raise a `TypeError` that says
     how to convert them; the shape is left to the caller to check.
     """
     if isinstance(adjacency, PartitionedOperator):
-        if not partitioned:
-            msg = (
-                f"`{arg}` must be a dense array or a `jax.experimental.sparse.BCOO` "
-                "matrix; a `PartitionedOperator` is taken by `KrylovGraphConv` "
-                "only. Normalise the adjacency before partitioning it."
-            )
-            raise TypeError(msg)
-        values = as_input(adjacency.values, arg, dtype)
-        return eqx.tree_at(lambda op: op.values, adjacency, values)
+        msg = (
+            f"`{arg}` must be a dense array or a `jax.experimental.sparse.BCOO` "
+            "matrix; a `PartitionedOperator` is taken by `KrylovGraphConv` only. "
+            "Normalise the adjacency before partitioning it."
+        )
+        raise TypeError(msg)
     if isinstance(adjacency, sparse.BCOO):
         check_bcoo_matrix(adjacency, arg)
         data = as_input(adjacency.data, arg, dtype)
@@ -273,7 +275,10 @@ class KrylovGraphConv(eqx.Module):
             raise ValueError(msg)
         n = H.shape[0]
         arg = "KrylovGraphConv.__call__(adjacency=...)"
-        adjacency = _as_adjacency(adjacency, arg, dtype, partitioned=True)
+        if isinstance(adjacency, PartitionedOperator):
+            adjacency = _as_partitioned(adjacency, arg, dtype)
+        else:
+            adjacency = _as_adjacency(adjacency, arg, dtype)
         shape = tuple(adjacency.shape)
         if shape != (n, n):
             msg = (
