@@ -50,6 +50,7 @@ from jax.experimental import sparse
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, reshard
 from jaxtyping import Array, ArrayLike, Inexact, Int, Shaped
 
+from ._checks import check_inexact
 from ._sharding import explicit_mesh, typed_like
 from ._sparse import spmv
 
@@ -109,22 +110,12 @@ class PartitionedOperator(eqx.Module):
     def with_values(
         self, values: Inexact[Array, "parts entries"]
     ) -> "PartitionedOperator":
-        """The same sparsity with other stored values, of the shape of `values`
-        (from [`krylovjax.GraphPartition.to_partitioned_values`][]); placed like
-        them. Works inside `jax.jit`, where gradients reach `values`."""
-        values = jnp.asarray(values)
-        if values.shape != self.values.shape:
-            msg = (
-                f"`PartitionedOperator.with_values(values=...)` must have shape "
-                f"{self.values.shape}; got shape {values.shape}."
-            )
-            raise ValueError(msg)
-        if not jnp.issubdtype(values.dtype, jnp.inexact):
-            msg = (
-                "`PartitionedOperator.with_values(values=...)` must have a floating "
-                f"or complex dtype; got {values.dtype}."
-            )
-            raise TypeError(msg)
+        """The same sparsity with the stored values `values`, of the operator's
+        `(P, m)` shape (from [`krylovjax.GraphPartition.to_partitioned_values`][]),
+        split over the mesh axis like the operator's own. Works inside `jax.jit`,
+        where gradients reach `values`."""
+        arg = "PartitionedOperator.with_values(values=...)"
+        values = _checked_values(values, self.values.shape, arg, "the operator's")
         sharding = NamedSharding(self.mesh, P(self.axis))
         if AxisType.Explicit in self.mesh.axis_types:
             values = reshard(values, sharding)
@@ -250,7 +241,9 @@ class GraphPartition:
 
     def to_partitioned(self, x: ArrayLike) -> Array:
         """`x` of shape `(n, ...)` in the input numbering as `(P * n_local, ...)` in
-        the partitioned one: rows reordered, zero rows appended (differentiable)."""
+        the partitioned one: rows reordered, zero rows appended (differentiable).
+        An `x` split over an `Explicit` mesh comes back replicated on it, since rows
+        move between devices; place the result by rows (`P(axis, None)`)."""
         x = jnp.asarray(x)
         if x.ndim < 1 or x.shape[0] != self.num_nodes:
             msg = (
@@ -281,17 +274,10 @@ class GraphPartition:
         `PartitionedOperator` (for
         [`krylovjax.PartitionedOperator.with_values`][]; differentiable, so a
         loss of the operator has a gradient in the input's entries)."""
-        values = jnp.asarray(values)
         arg = "GraphPartition.to_partitioned_values(values=...)"
-        if values.shape != self._entries.shape:
-            msg = (
-                f"`{arg}` must have shape {self._entries.shape} (one value per stored "
-                f"entry of the partitioned matrix); got shape {values.shape}."
-            )
-            raise ValueError(msg)
-        if not jnp.issubdtype(values.dtype, jnp.inexact):
-            msg = f"`{arg}` must have a floating or complex dtype; got {values.dtype}."
-            raise TypeError(msg)
+        values = _checked_values(
+            values, self._entries.shape, arg, "one value per stored entry of the input"
+        )
         shape = self._layout["rows"].shape
         flat = jnp.zeros(math.prod(shape), values.dtype)
         flat = flat.at[jnp.asarray(self._entries)].set(
@@ -369,6 +355,20 @@ class GraphPartition:
             axis=axis,
             n_local=self.n_local,
         )
+
+
+def _checked_values(values: Any, shape: tuple, arg: str, what: str) -> Array:
+    """`values` as an array of `shape` with an inexact dtype, or a `ValueError` /
+    `TypeError` naming `arg`."""
+    values = jnp.asarray(values)
+    if values.shape != tuple(shape):
+        msg = (
+            f"`{arg}` must have shape {tuple(shape)} ({what}); got shape "
+            f"{values.shape}."
+        )
+        raise ValueError(msg)
+    check_inexact(values, arg)
+    return values
 
 
 def _permute_rows(x: Array, order: Array) -> Array:

@@ -211,5 +211,7 @@ def test_errors():
         part.to_partitioned(jnp.ones(4))
     with pytest.raises(ValueError, match=r"with_values\(values=...\)` must have shape"):
         op.with_values(jnp.ones((1, 3)))
-    with pytest.raises(TypeError, match="floating or complex dtype"):
+    with pytest.raises(
+        TypeError, match="must have a floating-point or complex dtype; got dtype int32"
+    ):
         part.to_partitioned_values(jnp.ones(A.nse, jnp.int32))
