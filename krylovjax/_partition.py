@@ -377,6 +377,8 @@ def _permute_rows(x: Array, order: Array) -> Array:
     partitioner of jax 0.10 aborts on the plain gather's transpose on a mesh)."""
     # On an `Explicit` mesh a gather from a split array must name its result's
     # sharding: replicated, since the rows move between devices.
+    if x.shape[0] == 0:  # an empty graph: every row is padding
+        return jnp.zeros((order.shape[0], *x.shape[1:]), x.dtype)
     mesh = explicit_mesh(x, split=True)
     out = None if mesh is None else NamedSharding(mesh, P())
     return x.at[order].get(
@@ -396,6 +398,8 @@ def _rcm_order(rows: np.ndarray, cols: np.ndarray, n: int) -> np.ndarray:
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import reverse_cuthill_mckee
 
+    if n == 0:
+        return np.arange(0)  # SciPy's RCM has no empty graph
     ones = np.ones(rows.size, np.int8)
     pattern = coo_matrix((ones, (rows, cols)), shape=(n, n)).tocsr()
     return np.asarray(reverse_cuthill_mckee(pattern + pattern.T, symmetric_mode=True))
@@ -468,6 +472,7 @@ def partition_graph(
         ```
     """
     rows, cols, values, n, inside = _entries_of(A)
+    check_inexact(values, "partition_graph(A=...)")  # as for a BCOO `A` of `krylov`
     num_parts = _check_parts(num_parts)
     perm: np.ndarray
     if isinstance(order, str):

@@ -200,6 +200,9 @@ def test_errors():
                 sparse.BCOO((d, A.indices), shape=A.shape), 1
             )
         )(A.data)
+    integer = sparse.BCOO((jnp.ones(A.nse, jnp.int32), A.indices), shape=A.shape)
+    with pytest.raises(TypeError, match=r"partition_graph\(A=...\)` must have a float"):
+        krylovjax.partition_graph(integer, 1)
     part = krylovjax.partition_graph(A, 2)
     with pytest.raises(ValueError, match="axis of 2 devices"):
         part.operator(mesh)
@@ -215,3 +218,12 @@ def test_errors():
         TypeError, match="must have a floating-point or complex dtype; got dtype int32"
     ):
         part.to_partitioned_values(jnp.ones(A.nse, jnp.int32))
+
+
+def test_empty_graph():
+    A = sparse.BCOO((jnp.zeros(0), jnp.zeros((0, 2), jnp.int32)), shape=(0, 0))
+    part = krylovjax.partition_graph(A, 1)
+    op = part.operator(jax.make_mesh((1,), ("x",)))
+    X = krylovjax.krylov(op, part.to_partitioned(jnp.zeros((0, 2))), 3)
+    assert part.from_partitioned(X).shape == (0, 3, 2)
+    assert not np.any(X)
