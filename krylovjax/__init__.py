@@ -11,7 +11,7 @@ from ._bases import (
     Legendre as Legendre,
     ThreeTerm as ThreeTerm,
 )
-from ._funm import funm_action as funm_action, trace_funm as trace_funm
+from ._funm import funm_action as funm_action
 from ._iterate import iterate as iterate
 from ._krylov import auto_method as auto_method, krylov as krylov
 from ._lanczos import Lanczos as Lanczos, lanczos as lanczos
@@ -25,6 +25,7 @@ from ._readout import (
     polynomial_action as polynomial_action,
 )
 from ._spectrum import spectrum_interval as spectrum_interval
+from ._trace import trace_funm as trace_funm
 from ._typing import OperatorLike as OperatorLike, StaticInt as StaticInt
 
 __all__ = [

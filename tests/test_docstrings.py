@@ -28,6 +28,7 @@ CORE_MODULES = [
     "krylovjax._arnoldi",
     "krylovjax._lanczos",
     "krylovjax._funm",
+    "krylovjax._trace",
     "krylovjax._readout",
     "krylovjax._partition",
 ]
