@@ -12,9 +12,10 @@ $$w^{(0)} = A q_k, \quad h^{(1)} = Q_k^H w^{(0)}, \quad
 $\beta_k = H_{k+1, k} = \|w^{(2)}\|$ and $q_{k+1} = w^{(2)} / \beta_k$ (at the last
 step the residual $r = w^{(2)}$). $Q_k$ is the preallocated basis buffer, whose
 columns beyond $k$ are still zero, so each pass is one matrix-vector product with
-the whole buffer and nothing is masked. Breakdown (`_orthogonal.py`): $\beta_k = 0$
-and $q_{k+1} = 0$. The norms $\nu$ and $\beta_k$ are scaled against over- and
-underflow, and a problem in bfloat16 or float16 runs in float32 (`_orthogonal.py`).
+the whole buffer and nothing is masked. Breakdown (`_orthogonal.py`): $\beta_k = 0$,
+$q_{k+1} = 0$, $r = w^{(2)}$, and the later steps are zero. The norms $\nu$ and
+$\beta_k$ are scaled against over- and underflow, and a problem in bfloat16 or
+float16 runs in float32 (`_orthogonal.py`).
 
 **Tangents** (`arnoldi_tangent`). Differentiating each line, with $m_k$ the mask
 of the first $k+1$ entries,
@@ -72,6 +73,8 @@ d$ arrays ($W$, $\Lambda$, and $W^{(1)}$ with re-orthogonalisation), never one
 per step.
 """
 
+from typing import Any
+
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +83,7 @@ from jaxtyping import Array, Inexact, Real
 
 from ._operator import AbstractOperator
 from ._orthogonal import (
+    AbstractStop,
     Adjoint,
     add_outer,
     adjoint_mv,
@@ -89,6 +93,7 @@ from ._orthogonal import (
     conj,
     decompose,
     derivative_rule,
+    last_step,
     next_adjoint,
     next_tangent,
     next_vector,
@@ -188,8 +193,10 @@ def arnoldi(
     subspace found after $k + 1 < d$ vectors; numerically: what remains after
     the orthogonalisation is at most $100\,\varepsilon \|A q_k\|$), then
     $H_{k+1,k} = 0$ and the later columns of $Q$ and $H$ are zero, so
-    $f(H) e_0$ sees only the leading $(k+1) \times (k+1)$ block, which is exact. A
-    zero `x0` gives all zeros. Values and derivatives stay finite.
+    $f(H) e_0$ sees only the leading $(k+1) \times (k+1)$ block, which is exact.
+    The residual is then the (rounding-sized) remainder of step $k$, so that
+    $A Q = Q H + r e_k^\top$. A zero `x0` gives all zeros. Values and
+    derivatives stay finite.
 
     **Range and precision.** Norms are computed scaled, as BLAS `nrm2` computes
     them, so that no square over- or underflows: `A` or `x0` scaled by any factor
@@ -236,38 +243,98 @@ def arnoldi_in_working_dtype(
     return _run_arnoldi(A, x0, d, reorthogonalize, adjoint, rounded=False)
 
 
-def _run_arnoldi(A, x0, d, reorthogonalize, adjoint, *, rounded: bool) -> Arnoldi:
+def arnoldi_with_stop(
+    A: OperatorLike,
+    x0: Inexact[Array | np.ndarray, " n"],
+    d: StaticInt,
+    stop: AbstractStop,
+    *,
+    reorthogonalize: bool = True,
+    adjoint: Adjoint = "custom_jvp",
+) -> tuple[Arnoldi, Array]:
+    """`arnoldi_in_working_dtype`, ended early by `stop` (see "Stopping early" in
+    `_orthogonal.py`): the decomposition, zero after the step that ended it, and
+    the test's estimate."""
+    return _run_arnoldi(A, x0, d, reorthogonalize, adjoint, rounded=False, stop=stop)
+
+
+def _run_arnoldi(
+    A, x0, d, reorthogonalize, adjoint, *, rounded: bool, stop=None
+) -> Any:
     operator, x0, d = check_problem(A, x0, d, reorthogonalize, adjoint, "arnoldi")
     reorth = bool(reorthogonalize)
     rule = arnoldi_forward if adjoint == "autodiff" else arnoldi_custom_jvp
     kinds = ("rows", "small", "vector", "small")
-    Q, H, r, nu = decompose(rule, operator, x0, d, reorth, kinds, rounded=rounded)
-    return Arnoldi(basis=Q.T, hessenberg=H, residual=r, norm=nu)
+    Q, H, r, nu, *estimate = decompose(
+        rule, operator, x0, d, reorth, kinds, rounded=rounded, stop=stop
+    )
+    dec = Arnoldi(basis=Q.T, hessenberg=H, residual=r, norm=nu)
+    return dec if stop is None else (dec, estimate[0])
 
 
 def arnoldi_forward(
-    operator: AbstractOperator, x0: Array, d: int, reorth: bool
-) -> tuple[Array, Array, Array, Array]:
-    """The basis as rows `(d, n)`, $H$, the residual and $\\|x_0\\|$, by one scan."""
+    operator: AbstractOperator,
+    x0: Array,
+    d: int,
+    reorth: bool,
+    stop: AbstractStop | None = None,
+) -> tuple[Array, ...]:
+    """The basis as rows `(d, n)`, $H$, the residual and $\\|x_0\\|$ (and the stop
+    test's estimate, with one), by one scan."""
     nu, q0 = normalize(x0)
     Q = jnp.zeros((d, *x0.shape), x0.dtype).at[0].set(q0)
+    hs, betas = jnp.zeros((d, d), x0.dtype), jnp.zeros((d,), nu.dtype)
+
+    def run(k, Q, hs, betas, state):
+        h, beta, q, w = _step(operator, reorth, Q, k)
+        ends = (beta == 0) | (k == d - 1)
+        if stop is not None:
+            small = lax.stop_gradient(_hessenberg(hs.at[k].set(h), betas))
+            state, stops = stop(state, k, small, beta == 0)
+            ends = ends | stops
+            beta, q = jnp.where(ends, 0, beta), jnp.where(ends, 0, q)
+        return h, beta, q, w, ends, state
+
+    def skip(k, Q, hs, betas, state):
+        vector = jnp.zeros_like(x0)
+        zero = jnp.zeros((), nu.dtype)
+        return jnp.zeros((d,), x0.dtype), zero, vector, vector, jnp.asarray(True), state
 
     def step(carry, k):
-        Q, r = carry
-        w0 = operator.mv(Q[k])
-        h = project(Q, w0)
-        w = w0 - combine(Q, h)
-        if reorth:
-            c = project(Q, w)
-            w = w - combine(Q, c)
-            h = h + c
-        beta, q = next_vector(w, w0)
-        # The last step has no q_d to write: its new vector is the residual.
+        # As in `lanczos_forward`: a step after the end of the basis is skipped,
+        # and the buffer written outside the `cond`.
+        Q, hs, betas, r, done, state = carry
+        args = (k, Q, hs, betas, state)
+        if stop is None:
+            h, beta, q, w, ends, state = run(*args)
+        else:
+            h, beta, q, w, ends, state = lax.cond(done, skip, run, *args)
+        # The last step has no q_d to write: its new vector is the residual, as is
+        # that of the step that ends the basis.
         Q = Q.at[k + 1].set(q, mode="drop")
-        return (Q, jnp.where(k == d - 1, w, r)), (h, beta)
+        r = jnp.where(ends & ~done, w, r)
+        hs, betas = hs.at[k].set(h), betas.at[k].set(beta)
+        return (Q, hs, betas, r, done | ends, state), None
 
-    (Q, r), (hs, betas) = lax.scan(step, (Q, jnp.zeros_like(x0)), jnp.arange(d))
-    return Q, _hessenberg(hs, betas), r, nu
+    state = None if stop is None else stop.init(d)
+    carry = (Q, hs, betas, jnp.zeros_like(x0), jnp.asarray(False), state)
+    (Q, hs, betas, r, _, state), _ = lax.scan(step, carry, jnp.arange(d))
+    out = (Q, _hessenberg(hs, betas), r, nu)
+    return out if stop is None else (*out, stop.estimate(state))
+
+
+def _step(operator, reorth, Q, k):
+    r"""Step `k`: the column $h$ of $H$ above the diagonal below it, $\beta_k$,
+    $q_{k+1}$ and $w_k$ (the remainder before its normalisation)."""
+    w0 = operator.mv(Q[k])
+    h = project(Q, w0)
+    w = w0 - combine(Q, h)
+    if reorth:
+        c = project(Q, w)
+        w = w - combine(Q, c)
+        h = h + c
+    beta, q = next_vector(w, w0)
+    return h, beta, q, w
 
 
 def _hessenberg(hs: Array, betas: Array) -> Array:
@@ -280,19 +347,20 @@ def _recompute(out, reorth: bool):
     r"""The per-step primal intermediates, in batch: for each Gram-Schmidt pass
     `p`, the pair `(W_p, H_p)` of the vectors $w^{(p-1)}$ (rows `(d, n)`) and the
     coefficients $h^{(p)}$ (columns of a `(d, d)` array), and $\beta$ with a zero
-    appended (the last step's new vector is the residual, not normalised).
+    appended (the new vector of the step that ends the basis is the residual,
+    not normalised).
 
     $W^{(0)} = A Q$ and $W^{(1)} = W^{(0)} - {H^{(1)}}^\top Q$ are one GEMM each,
     so the scans only read rows of them."""
     Q, H, r = out[0], out[1], out[2]
     d = Q.shape[0]
-    # A q_k = sum_j H_jk q_j (+ r at the last step): the step computed A q_k and
-    # split it into exactly these parts, so, rounding aside, this is W = A Q
-    # without a product with A.
-    W = (H.T @ Q).at[-1].add(r)
+    # A q_k = sum_j H_jk q_j (+ r at the step that ends the basis): the step
+    # computed A q_k and split it into exactly these parts, so, rounding aside,
+    # this is W = A Q without a product with A.
+    betas = _append_zero(jnp.real(jnp.diagonal(H, -1)))
+    W = (H.T @ Q).at[last_step(betas)].add(r)
     upper = jnp.triu(jnp.ones((d, d), bool))
     H_upper = jnp.where(upper, H, 0)
-    betas = _append_zero(jnp.real(jnp.diagonal(H, -1)))
     if not reorth:
         return [(W, H_upper)], betas
     H1 = jnp.where(upper, conj(Q) @ W.T, 0)
@@ -313,6 +381,7 @@ def arnoldi_tangent(operator, out, t_operator, t_x0, reorth):
     Q, _, _, nu = out
     d = Q.shape[0]
     passes, betas = _recompute(out, reorth)
+    last = last_step(betas)
     U = operator_tangent(operator, t_operator, Q)
     t_nu, t_q0 = next_tangent(Q[0], nu, t_x0)
     t_Q = jnp.zeros_like(Q).at[0].set(t_q0)
@@ -332,7 +401,7 @@ def arnoldi_tangent(operator, out, t_operator, t_x0, reorth):
         # At the last step beta = 0 (appended): t_q = 0, not written anyway.
         t_beta, t_q = next_tangent(Q[k + 1], betas[k], t_w)
         t_Q = t_Q.at[k + 1].set(t_q, mode="drop")
-        return (t_Q, jnp.where(k == d - 1, t_w, t_r)), (t_h, t_beta)
+        return (t_Q, jnp.where(k == last, t_w, t_r)), (t_h, t_beta)
 
     carry = (t_Q, jnp.zeros_like(t_q0))
     (t_Q, t_r), (t_hs, t_betas) = lax.scan(step, carry, jnp.arange(d))
@@ -348,17 +417,18 @@ def arnoldi_adjoint(operator, out, ct, reorth):
     G_H = conj(ct_H)
     g_betas = _append_zero(jnp.real(jnp.diagonal(G_H, -1)))
     passes, betas = _recompute(out, reorth)
+    last = last_step(betas)
     transpose_mv = operator.transpose().mv
     rows = jnp.arange(d)
 
     def step(carry, k):
-        # lam: the (complete) gradient of q_(k+1), or of r at the last step. The
-        # buffer Lam is only updated here, never read before the update: so XLA
-        # updates it in place rather than copying it.
+        # lam: the (complete) gradient of q_(k+1); at the step that ends the basis,
+        # g is that of r. The buffer Lam is only updated here, never read before
+        # the update: so XLA updates it in place rather than copying it.
         Lam, lam = carry
         m = rows <= k
         g = next_adjoint(Q[k + 1], betas[k], lam, g_betas[k])
-        g = jnp.where(k == d - 1, lam, g)
+        g = jnp.where(k == last, conj(ct_r), g)
         g_h = jnp.where(m, G_H[:, k], 0)
         left, right = [], []
         for w_prev, h_p in reversed(_passes(passes, k)):
@@ -374,7 +444,8 @@ def arnoldi_adjoint(operator, out, ct, reorth):
 
     # Rows: the gradients of q_0 .. q_(d-1), and a free row for mu_(d-1).
     Lam = jnp.pad(conj(ct_Q), ((0, 1), (0, 0)))
-    (Lam, lam0), _ = lax.scan(step, (Lam, conj(ct_r)), jnp.arange(d), reverse=True)
+    carry = (Lam, jnp.zeros_like(ct_r))
+    (Lam, lam0), _ = lax.scan(step, carry, jnp.arange(d), reverse=True)
     g_x0 = next_adjoint(Q[0], nu, lam0, ct_nu)
     return conj(g_x0), conj(Lam[1:])
 

@@ -13,9 +13,10 @@ $$u = A q_k - \beta_{k-1} q_{k-1}, \quad
 first, local Gram-Schmidt pass, and a classical Gram-Schmidt pass against the whole
 preallocated basis buffer is the second; $c$ is rounding-sized and is not kept),
 $\beta_k = \|w^{(2)}\|$ and $q_{k+1} = w^{(2)} / \beta_k$ (at the last step the
-residual $r = w^{(2)}$). Breakdown (`_orthogonal.py`): $\beta_k = 0$ and
-$q_{k+1} = 0$. The norms $\nu$ and $\beta_k$ are scaled against over- and
-underflow, and a problem in bfloat16 or float16 runs in float32 (`_orthogonal.py`).
+residual $r = w^{(2)}$). Breakdown (`_orthogonal.py`): $\beta_k = 0$,
+$q_{k+1} = 0$, $r = w^{(2)}$, and the later steps are zero. The norms $\nu$ and
+$\beta_k$ are scaled against over- and underflow, and a problem in bfloat16 or
+float16 runs in float32 (`_orthogonal.py`).
 
 **Tangents** (`lanczos_tangent`). Differentiating each line,
 
@@ -75,6 +76,8 @@ with $A^H$, like the forward step. The residuals are the outputs and the
 operator; the temporaries are a few $n \times d$ arrays, never one per step.
 """
 
+from typing import Any
+
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
@@ -83,6 +86,7 @@ from jaxtyping import Array, Inexact, Real
 
 from ._operator import AbstractOperator
 from ._orthogonal import (
+    AbstractStop,
     Adjoint,
     add_outer,
     adjoint_mv,
@@ -92,6 +96,7 @@ from ._orthogonal import (
     conj,
     decompose,
     derivative_rule,
+    last_step,
     next_adjoint,
     next_tangent,
     next_vector,
@@ -214,7 +219,9 @@ def lanczos(
     eigenvectors; numerically: what remains is at most $100\,\varepsilon \|A
     q_k\|$), then $\beta_k = 0$ and the later entries of $Q$, $\alpha$ and $\beta$
     are zero: $T$ is block diagonal and $f(T) e_0$ sees only its exact leading
-    block. A zero `x0` gives all zeros. Values and derivatives stay finite.
+    block. The residual is then the (rounding-sized) remainder of step $k$, so
+    that $A Q = Q T + r e_k^\top$. A zero `x0` gives all zeros. Values and
+    derivatives stay finite.
 
     **Range and precision.** Norms are computed scaled, as BLAS `nrm2` computes
     them, so that no square over- or underflows: `A` or `x0` scaled by any factor
@@ -270,42 +277,100 @@ def lanczos_in_working_dtype(
     return _run_lanczos(A, x0, d, reorthogonalize, adjoint, rounded=False)
 
 
-def _run_lanczos(A, x0, d, reorthogonalize, adjoint, *, rounded: bool) -> Lanczos:
+def lanczos_with_stop(
+    A: OperatorLike,
+    x0: Inexact[Array | np.ndarray, " n"],
+    d: StaticInt,
+    stop: AbstractStop,
+    *,
+    reorthogonalize: bool = True,
+    adjoint: Adjoint = "custom_jvp",
+) -> tuple[Lanczos, Array]:
+    """`lanczos_in_working_dtype`, ended early by `stop` (see "Stopping early" in
+    `_orthogonal.py`): the decomposition, zero after the step that ended it, and
+    the test's estimate."""
+    return _run_lanczos(A, x0, d, reorthogonalize, adjoint, rounded=False, stop=stop)
+
+
+def _run_lanczos(
+    A, x0, d, reorthogonalize, adjoint, *, rounded: bool, stop=None
+) -> Any:
     operator, x0, d = check_problem(A, x0, d, reorthogonalize, adjoint, "lanczos")
     reorth = bool(reorthogonalize)
     rule = lanczos_forward if adjoint == "autodiff" else lanczos_custom_jvp
     kinds = ("rows", "small", "small", "vector", "small")
-    Q, alpha, beta, r, nu = decompose(
-        rule, operator, x0, d, reorth, kinds, rounded=rounded
+    Q, alpha, beta, r, nu, *estimate = decompose(
+        rule, operator, x0, d, reorth, kinds, rounded=rounded, stop=stop
     )
-    return Lanczos(basis=Q.T, diagonal=alpha, off_diagonal=beta, residual=r, norm=nu)
+    dec = Lanczos(basis=Q.T, diagonal=alpha, off_diagonal=beta, residual=r, norm=nu)
+    return dec if stop is None else (dec, estimate[0])
 
 
 def lanczos_forward(
-    operator: AbstractOperator, x0: Array, d: int, reorth: bool
-) -> tuple[Array, Array, Array, Array, Array]:
+    operator: AbstractOperator,
+    x0: Array,
+    d: int,
+    reorth: bool,
+    stop: AbstractStop | None = None,
+) -> tuple[Array, ...]:
     """The basis as rows `(d, n)`, $\\alpha$, $\\beta$, the residual and
-    $\\|x_0\\|$, by one scan."""
+    $\\|x_0\\|$ (and the stop test's estimate, with one), by one scan."""
     nu, q0 = normalize(x0)
     Q = jnp.zeros((d, *x0.shape), x0.dtype).at[0].set(q0)
+    real = nu.dtype
+    alpha, beta = jnp.zeros((d,), real), jnp.zeros((d,), real)
+
+    def run(k, Q, alpha, beta, state):
+        beta_prev = jnp.where(k > 0, beta[jnp.maximum(k - 1, 0)], 0)
+        a, b, q, w = _step(operator, reorth, Q, beta_prev, k)
+        ends = (b == 0) | (k == d - 1)
+        if stop is not None:
+            small = lax.stop_gradient((alpha.at[k].set(a), beta[:-1]))
+            state, stops = stop(state, k, small, b == 0)
+            ends = ends | stops
+            b, q = jnp.where(ends, 0, b), jnp.where(ends, 0, q)
+        return a, b, q, w, ends, state
+
+    def skip(k, Q, alpha, beta, state):
+        zero, vector = jnp.zeros((), real), jnp.zeros_like(x0)
+        return zero, zero, vector, vector, jnp.asarray(True), state
 
     def step(carry, k):
-        Q, beta_prev, r = carry
-        q = Q[k]
-        w0 = operator.mv(q)
-        u = w0 - as_dtype(beta_prev, q) * Q[jnp.maximum(k - 1, 0)]
-        alpha = real_dot(q, u)
-        w = u - as_dtype(alpha, q) * q
-        if reorth:
-            w = w - combine(Q, project(Q, w))
-        beta, q = next_vector(w, w0)
-        # The last step has no q_d to write: its new vector is the residual.
+        # The step's work (a product, the Gram-Schmidt passes, the stop test) is
+        # skipped once a step has ended the basis; the buffer is written outside
+        # the `cond`, which under `vmap` selects between the vectors only.
+        Q, alpha, beta, r, done, state = carry
+        args = (k, Q, alpha, beta, state)
+        if stop is None:
+            a, b, q, w, ends, state = run(*args)
+        else:
+            a, b, q, w, ends, state = lax.cond(done, skip, run, *args)
+        # The last step has no q_d to write: its new vector is the residual, as is
+        # that of the step that ends the basis.
         Q = Q.at[k + 1].set(q, mode="drop")
-        return (Q, beta, jnp.where(k == d - 1, w, r)), (alpha, beta)
+        r = jnp.where(ends & ~done, w, r)
+        alpha, beta = alpha.at[k].set(a), beta.at[k].set(b)
+        return (Q, alpha, beta, r, done | ends, state), None
 
-    carry = (Q, jnp.zeros((), nu.dtype), jnp.zeros_like(x0))
-    (Q, _, r), (alpha, beta) = lax.scan(step, carry, jnp.arange(d))
-    return Q, alpha, beta[:-1], r, nu
+    state = None if stop is None else stop.init(d)
+    carry = (Q, alpha, beta, jnp.zeros_like(x0), jnp.asarray(False), state)
+    (Q, alpha, beta, r, _, state), _ = lax.scan(step, carry, jnp.arange(d))
+    out = (Q, alpha, beta[:-1], r, nu)
+    return out if stop is None else (*out, stop.estimate(state))
+
+
+def _step(operator, reorth, Q, beta_prev, k):
+    r"""Step `k`: $\alpha_k$, $\beta_k$, $q_{k+1}$ and $w_k$ (the remainder before
+    its normalisation)."""
+    q = Q[k]
+    w0 = operator.mv(q)
+    u = w0 - as_dtype(beta_prev, q) * Q[jnp.maximum(k - 1, 0)]
+    alpha = real_dot(q, u)
+    w = u - as_dtype(alpha, q) * q
+    if reorth:
+        w = w - combine(Q, project(Q, w))
+    beta, q_next = next_vector(w, w0)
+    return alpha, beta, q_next, w
 
 
 def _append_zero(x: Array) -> Array:
@@ -319,11 +384,15 @@ def _recompute(operator: AbstractOperator, out, reorth: bool):
     Q, alpha, beta, r = out[0], out[1], out[2], out[3]
     d = Q.shape[0]
     beta_prev = jnp.concatenate([jnp.zeros((1,), beta.dtype), beta])
+    betas = _append_zero(beta)
     if not reorth:
         # Without re-orthogonalisation each step normalises w_k itself: w_k =
-        # beta_k q_(k+1), and the residual r at the last step. No product with A.
-        W1 = jnp.concatenate([as_dtype(beta, Q)[:, None] * Q[1:], r[None]])
-        return W1, beta_prev, _append_zero(beta), None
+        # beta_k q_(k+1), and the residual r at the step that ends the basis
+        # (`last_step`). No product with A.
+        W1 = jnp.concatenate(
+            [as_dtype(beta, Q)[:, None] * Q[1:], jnp.zeros_like(r)[None]]
+        )
+        return W1.at[last_step(betas)].add(r), beta_prev, betas, None
     # With it, w_k = beta_k q_(k+1) + Q c_k, and c is not an output: W^(1) comes
     # from one batched product, and c from it.
     Q_prev = jnp.concatenate([jnp.zeros_like(Q[:1]), Q[:-1]])
@@ -333,7 +402,7 @@ def _recompute(operator: AbstractOperator, out, reorth: bool):
         - as_dtype(alpha, Q)[:, None] * Q
     )
     C = jnp.where(jnp.triu(jnp.ones((d, d), bool)), conj(Q) @ W1.T, 0)
-    return W1, beta_prev, _append_zero(beta), C
+    return W1, beta_prev, betas, C
 
 
 def lanczos_tangent(operator, out, t_operator, t_x0, reorth):
@@ -341,6 +410,7 @@ def lanczos_tangent(operator, out, t_operator, t_x0, reorth):
     Q, alpha, _, _, nu = out
     d = Q.shape[0]
     W1, beta_prev, beta, C = _recompute(operator, out, reorth)
+    last = last_step(beta)
     U = operator_tangent(operator, t_operator, Q)
     t_nu, t_q0 = next_tangent(Q[0], nu, t_x0)
     t_Q = jnp.zeros_like(Q).at[0].set(t_q0)
@@ -367,7 +437,7 @@ def lanczos_tangent(operator, out, t_operator, t_x0, reorth):
         # At the last step beta = 0 (appended): t_q = 0, not written anyway.
         t_beta, t_q = next_tangent(Q[k + 1], beta[k], t_w)
         t_Q = t_Q.at[k + 1].set(t_q, mode="drop")
-        carry = (t_Q, t_beta, jnp.where(k == d - 1, t_w, t_r))
+        carry = (t_Q, t_beta, jnp.where(k == last, t_w, t_r))
         return carry, (t_alpha, t_beta)
 
     carry = (t_Q, jnp.zeros((), nu.dtype), jnp.zeros_like(t_q0))
@@ -383,16 +453,18 @@ def lanczos_adjoint(operator, out, ct, reorth):
     ct_Q, ct_alpha, ct_beta, ct_r, ct_nu = ct
     ct_beta = _append_zero(ct_beta)
     W1, beta_prev, beta, C = _recompute(operator, out, reorth)
+    last = last_step(beta)
     transpose_mv = operator.transpose().mv
     rows = jnp.arange(d)
 
     def step(carry, k):
-        # lam: the (complete) gradient of q_(k+1), or of r at the last step; gamma
-        # that of beta_k through step k + 1. The buffer Lam is only updated here,
-        # never read before the update: so XLA updates it in place.
+        # lam: the (complete) gradient of q_(k+1); gamma that of beta_k through
+        # step k + 1. At the step that ends the basis, g is that of r. The buffer
+        # Lam is only updated here, never read before the update: so XLA updates
+        # it in place.
         Lam, lam, gamma = carry
         g = next_adjoint(Q[k + 1], beta[k], lam, ct_beta[k] + gamma)
-        g = jnp.where(k == d - 1, lam, g)
+        g = jnp.where(k == last, conj(ct_r), g)
         q, w, a = Q[k], W1[k], as_dtype(alpha[k], Q)
         if C is not None:
             coef = jnp.where(rows <= k, -project(Q, g), 0)
@@ -412,7 +484,7 @@ def lanczos_adjoint(operator, out, ct, reorth):
 
     # Rows: the gradients of q_0 .. q_(d-1), and a free row for mu_(d-1).
     Lam = jnp.pad(conj(ct_Q), ((0, 1), (0, 0)))
-    carry = (Lam, conj(ct_r), jnp.zeros((), nu.dtype))
+    carry = (Lam, jnp.zeros_like(ct_r), jnp.zeros((), nu.dtype))
     (Lam, lam0, _), _ = lax.scan(step, carry, jnp.arange(d), reverse=True)
     g_x0 = next_adjoint(Q[0], nu, lam0, ct_nu)
     return conj(g_x0), conj(Lam[1:])

@@ -41,19 +41,30 @@ derivative rule, so JAX differentiates them and the rule runs in float32. Other
 dtypes are computed in themselves.
 
 **Breakdown.** A new vector $w_k$ (what remains of $A q_k$ after the
-orthogonalisation) whose norm is at most `BREAKDOWN` $\cdot\, \varepsilon \,
-\|A q_k\|$ ($\varepsilon$ the machine epsilon of the dtype computed in) is
-numerically zero: the Krylov space is invariant under $A$ (to rounding) after
-$k + 1$ vectors. Then $q_{k+1} = 0$ and the subdiagonal entry is $0$, so every
-later vector and coefficient is zero too, and $A Q = Q H + r e_{d-1}^\top$ still
-holds (up to the dropped $w_k$). A zero $x_0$ gives $\nu = 0$ and an all-zero
-result. The threshold is relative to $\|A q_k\|$ because the rounding error of the
-orthogonalisation is: with `reorthogonalize=True` the computed $w_k$ of an
-invariant space is a few $\varepsilon \|A q_k\|$ long, well under the threshold,
-while a genuine new direction that short could not be resolved in the dtype
-anyway: $100\,\varepsilon$ is $1.2 \cdot 10^{-5}$ in float32 and $2.2 \cdot
-10^{-14}$ in float64. It is the only tolerance of the decompositions. Divisions
-use the double-`where` trick, so values and derivatives stay finite.
+orthogonalisation) whose norm is at most `BREAKDOWN` $\cdot\, \varepsilon \, \|A
+q_k\|$ ($\varepsilon$ the machine epsilon of the dtype computed in) is numerically
+zero: the Krylov space is invariant under $A$ (to rounding) after $k + 1$ vectors.
+Then $q_{k+1} = 0$ and the subdiagonal entry is $0$, so every later vector and
+coefficient is zero too, and the residual $r$ is that step's $w_k$ (`last_step`
+finds the step from the outputs): $A Q = Q H + r e_k^\top$. A zero $x_0$ gives
+$\nu = 0$ and an all-zero result. The threshold is relative to $\|A q_k\|$ because
+the rounding error of the orthogonalisation is: with `reorthogonalize=True` the
+computed $w_k$ of an invariant space is a few $\varepsilon \|A q_k\|$ long, well
+under the threshold, while a genuine new direction that short could not be
+resolved in the dtype anyway: $100\,\varepsilon$ is $1.2 \cdot 10^{-5}$ in float32
+and $2.2 \cdot 10^{-14}$ in float64. It is the only tolerance of the
+decompositions. Divisions use the double-`where` trick, so values and derivatives
+stay finite.
+
+**Stopping early.** A decomposition can be given a stop test (`AbstractStop`),
+called on the small matrix after each step: where it passes at step $k$, the step
+ends as a breakdown does ($\beta_k = 0$, $q_{k+1} = 0$, $r = w_k$) and the later
+steps are skipped (a `lax.cond` in the scan, so the buffer keeps its static size
+$d$). The derivative rules need nothing new: they already give zero tangents after
+a zero $\beta_k$, and they read the residual's step from the outputs, so the
+derivatives are exact for the $k + 1$ vectors returned. The test's decision has no
+derivative (the depth is piecewise constant), and no `while_loop` is ever
+differentiated.
 
 **Conventions for complex numbers.** Inner products conjugate their first
 argument, $\langle a, b \rangle = a^H b$. The maths of the adjoints is written with
@@ -64,6 +75,7 @@ their complex conjugates, $\bar x = \overline{g}$, and the rules convert once at
 each end. For real dtypes the two coincide.
 """
 
+import abc
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -280,7 +292,7 @@ def on_mesh(
 
 
 def decompose(
-    rule: Callable[[AbstractOperator, Array, int, bool], tuple[Array, ...]],
+    rule: Callable[..., tuple[Array, ...]],
     operator: AbstractOperator,
     x0: Array,
     d: int,
@@ -288,15 +300,19 @@ def decompose(
     kinds: tuple[OutputKind, ...],
     *,
     rounded: bool = True,
+    stop: "AbstractStop | None" = None,
 ) -> tuple[Array, ...]:
-    """`rule(operator, x0, d, reorth)` for `check_problem`'s outputs: run in the
-    operator's `working_dtype` (through `on_mesh`), every output returned in
+    """`rule(operator, x0, d, reorth, stop)` for `check_problem`'s outputs: run in
+    the operator's `working_dtype` (through `on_mesh`), every output returned in
     `x0`'s dtype (its real dtype for the real outputs), or left in the working
-    dtype if not `rounded`."""
+    dtype if not `rounded`. With a `stop` test the outputs end with its estimate
+    (`AbstractStop.estimate`, a small output)."""
     dtype = x0.dtype
     work = working_dtype(dtype)
+    if stop is not None:
+        kinds = (*kinds, "small")
     out = on_mesh(
-        lambda operator, x0: rule(operator, x0, d, reorth),
+        lambda operator, x0: rule(operator, x0, d, reorth, stop),
         operator,
         x0.astype(work),
         kinds,
@@ -305,6 +321,38 @@ def decompose(
         return out
     real = jnp.finfo(dtype).dtype
     return tuple(y.astype(dtype if jnp.iscomplexobj(y) else real) for y in out)
+
+
+# ------------------------------------------------------------- stopping early
+
+
+class AbstractStop(eqx.Module):
+    """A test of whether a decomposition stops after a step (see "Stopping early"
+    in the module docstring). It carries a state from step to step."""
+
+    @abc.abstractmethod
+    def init(self, d: int) -> Any:
+        """The state before the first step of a decomposition of depth `d`."""
+
+    @abc.abstractmethod
+    def __call__(
+        self, state: Any, k: Array, small: Any, broken: Array
+    ) -> tuple[Any, Array]:
+        """After step `k`: the new state, and whether to stop. `small` is the
+        small matrix of the first `k + 1` vectors, zero-padded to `d` (Lanczos: its
+        diagonal and off-diagonal; Arnoldi: $H$), without derivatives; `broken`
+        says whether step `k` broke down."""
+
+    @abc.abstractmethod
+    def estimate(self, state: Any) -> Array:
+        """What the test reports at the end: a real scalar, the decomposition's
+        last output."""
+
+
+def last_step(betas: Array) -> Array:
+    r"""The step whose remainder $w_k$ is the residual: the first with $\beta_k = 0$
+    in `betas`, the step norms with the last one (not normalised) set to zero."""
+    return jnp.argmax(betas == 0)
 
 
 # ------------------------------------------------------------- small pieces
@@ -489,12 +537,12 @@ def operator_tangent(
 
 # --------------------------------------------------------- the derivative rule
 
-# forward(operator, x0, d, reorth) -> out, where out[0] is the basis as rows (d, n)
-# and out[-1] is ||x0||;
+# forward(operator, x0, d, reorth, stop) -> out, where out[0] is the basis as rows
+# (d, n) and out[-1] is ||x0|| (with a stop test, followed by its estimate);
 # tangent(operator, out, t_operator, t_x0, reorth) -> tangents like out;
 # adjoint(operator, out, ct, reorth) -> (ct_x0, ct_W): JAX cotangents of x0 and of
 # the stack W = A Q, rows (d, n).
-ForwardFn = Callable[[AbstractOperator, Array, int, bool], tuple[Array, ...]]
+ForwardFn = Callable[..., tuple[Array, ...]]
 TangentFn = Callable[..., tuple[Array, ...]]
 AdjointFn = Callable[..., tuple[Array, Array]]
 
@@ -505,7 +553,7 @@ def _merge(x: Array) -> Array:
 
 def derivative_rule(
     name: str, forward: ForwardFn, tangent: TangentFn, adjoint: AdjointFn
-) -> Callable[[AbstractOperator, Array, int, bool], tuple[Array, ...]]:
+) -> Callable[..., tuple[Array, ...]]:
     """The decomposition `forward`, differentiated by `tangent` (forward mode) and
     `adjoint` (its transpose, reverse mode) through a tangent primitive.
 
@@ -557,20 +605,27 @@ def derivative_rule(
 
     primitive = tangent_primitive(f"{name}_tangent", impl, transpose, 1, batch)
 
+    # The stop test is an argument, not a keyword: it may hold arrays (what `f`
+    # closes over). Its tangents are not used: the depth it chooses is piecewise
+    # constant, and so is its estimate.
     @eqx.filter_custom_jvp
-    def decomposition(operator, x0, *, d, reorth):
-        return forward(operator, x0, d, reorth)
+    def decomposition(operator, x0, stop, *, d, reorth):
+        return forward(operator, x0, d, reorth, stop)
 
     @decomposition.def_jvp
     def _jvp(primals, tangents, *, d, reorth):
-        operator, x0 = primals
-        t_operator, t_x0 = tangents
-        out = forward(operator, x0, d, reorth)
+        operator, x0, stop = primals
+        t_operator, t_x0, _ = tangents
+        out = forward(operator, x0, d, reorth, stop)
         t_x0 = jnp.zeros_like(x0) if t_x0 is None else t_x0
         t_operator = tangent_or_none(t_operator)
-        return out, primitive(operator, out, t_operator, t_x0, reorth, False)
+        if stop is None:
+            return out, primitive(operator, out, t_operator, t_x0, reorth, False)
+        out, estimate = out[:-1], out[-1]
+        t_out = primitive(operator, out, t_operator, t_x0, reorth, False)
+        return (*out, estimate), (*t_out, jnp.zeros_like(estimate))
 
-    def build(operator, x0, d, reorth):
-        return decomposition(operator, x0, d=d, reorth=reorth)
+    def build(operator, x0, d, reorth, stop=None):
+        return decomposition(operator, x0, stop, d=d, reorth=reorth)
 
     return build
