@@ -11,7 +11,7 @@ from ._bases import (
     Legendre as Legendre,
     ThreeTerm as ThreeTerm,
 )
-from ._funm import funm_action as funm_action
+from ._funm import FunmInfo as FunmInfo, funm_action as funm_action
 from ._iterate import iterate as iterate
 from ._krylov import auto_method as auto_method, krylov as krylov
 from ._lanczos import Lanczos as Lanczos, lanczos as lanczos
@@ -32,6 +32,7 @@ __all__ = [
     "AbstractBasis",
     "Arnoldi",
     "Chebyshev",
+    "FunmInfo",
     "GraphPartition",
     "Jacobi",
     "Lanczos",

@@ -1,6 +1,6 @@
-r"""`funm_action` and `trace_funm`: matrix functions through a Krylov basis.
+r"""`funm_action`: matrix functions through a Krylov basis, with error control.
 
-Both are thin layers over the decompositions of `_arnoldi.py` and `_lanczos.py`,
+It is a thin layer over the decompositions of `_arnoldi.py` and `_lanczos.py`,
 whose derivative rules carry the cost of differentiating through the $d$
 matrix-vector products. What this module adds acts on the small $d \times d$
 matrix only:
@@ -10,8 +10,13 @@ matrix only:
   $f(A)\,b \approx \|b\|\, Q\, V f(\Lambda) V^\top e_0$ from Lanczos, with
   $T = V \Lambda V^\top$ the eigendecomposition of the real symmetric tridiagonal
   $T$ (`f` a scalar function applied to the eigenvalues);
-- $\operatorname{tr} f(A) \approx \frac1m \sum_i \|z_i\|^2\, e_0^\top f(T_i)\, e_0$,
-  Hutchinson probes $z_i$ with Lanczos quadrature, the probes batched by `jax.vmap`.
+- with `tol=`, a stop test (`Tolerance`) that ends the decomposition once an
+  a-posteriori estimate of the error from successive approximations meets the
+  tolerance (see "Stopping early" in `_orthogonal.py` for why the derivatives
+  stay exact).
+
+`_trace.py` builds the stochastic trace $\operatorname{tr} f(A)$ on the same
+quadrature (`_funm_e0`).
 
 The derivative of $c = f(T)\, e_0$ is written by hand (`_funm_e0`), because JAX's
 rule for `eigh` divides by $\lambda_i - \lambda_j$ and gives `nan` at repeated
@@ -56,21 +61,65 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
-from jaxtyping import Array, Inexact
+from jaxtyping import Array, Bool, Inexact, Int, Real
 
-from ._arnoldi import arnoldi_in_working_dtype
+from ._arnoldi import arnoldi_in_working_dtype, arnoldi_with_stop
 from ._checks import (
     as_array,
     check_choice,
     standard_result_type,
 )
 from ._expansion import chebyshev_action
-from ._lanczos import lanczos_in_working_dtype
+from ._lanczos import lanczos_in_working_dtype, lanczos_with_stop
 from ._operator import closure_convert
-from ._orthogonal import Adjoint, check_problem, working_dtype
+from ._orthogonal import (
+    AbstractStop,
+    Adjoint,
+    check_problem,
+    last_step,
+    working_dtype,
+)
 from ._typing import OperatorLike, StaticInt
 
 METHODS = ("lanczos", "arnoldi", "chebyshev")
+
+
+class FunmInfo(eqx.Module):
+    r"""What [`krylovjax.funm_action`][] with `tol=` reports with its result.
+
+    **Fields:**
+
+    - `error`: the estimated norm of the error, $\|y - f(A)\, b\|$, a real
+        scalar; `inf` where the last differences did not yet decrease (no
+        estimate), 0 after a breakdown (the result is then exact).
+    - `depth`: the number of Krylov vectors used, an int32 scalar (`1 <= depth
+        <= d`); as many products with `A` were made.
+    - `converged`: whether `error <= tol * ||y||`, a bool scalar: `False` when
+        the maximum depth `d` was reached first.
+
+    None of them is differentiated (their derivatives are zero).
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.diag(jnp.arange(1.0, 6.0))
+        >>> b = jnp.ones(5)
+        >>> y, info = krylovjax.funm_action(
+        ...     jnp.log, A, b, 5, method="lanczos", tol=1e-6
+        ... )
+        >>> int(info.depth), bool(info.converged)  # 5 eigenvalues: exact at 5
+        (5, True)
+        >>> bool(jnp.allclose(y, jnp.log(jnp.arange(1.0, 6.0)), atol=1e-5))
+        True
+
+        ```
+    """
+
+    error: Real[Array, ""]
+    depth: Int[Array, ""]
+    converged: Bool[Array, ""]
 
 
 def funm_action(
@@ -83,7 +132,8 @@ def funm_action(
     reorthogonalize: bool = True,
     adjoint: Adjoint = "custom_jvp",
     interval: tuple[Any, Any] | None = None,
-) -> Inexact[Array, " n"]:
+    tol: float | None = None,
+) -> Inexact[Array, " n"] | tuple[Inexact[Array, " n"], FunmInfo]:
     r"""The action $f(A)\, b$ of a matrix function, from $d$ Krylov vectors.
 
     Builds an orthonormal basis $Q$ of the Krylov space
@@ -169,6 +219,40 @@ def funm_action(
     - `adjoint`: the decomposition's derivative rule, passed on to it: its default
         `"custom_jvp"` (forward and reverse mode), or `"autodiff"` (JAX's own rules
         through the loop, to compare against).
+    - `tol`: a relative tolerance, a Python float in $(0, 1)$, for
+        `method="lanczos"` and `"arnoldi"`. `d` is then the maximum depth, and the
+        depth used is the first at which the estimated error is at most
+        `tol * ||y||` (see **Error control** below). The return value changes to
+        a pair `(y, info)`, with `info` a [`krylovjax.FunmInfo`][]. Default
+        `None`: exactly `d` vectors, and `y` alone.
+
+    **Error control.** With $c_k = f(S_k)\, e_0$ the coefficients from $k$
+    vectors ($S_k$ the leading block of $T$ or $H$), the approximations
+    $y_k = \|b\| Q_k c_k$ differ by $\|y_k - y_j\| = \|b\|\, \|c_k - c_j\|$
+    (the basis is orthonormal). The test compares the approximations at
+    successive check steps (every step up to 16, then every $k / 16$ steps, so
+    that the small $d \times d$ function evaluations stay few), and estimates
+    the error of the newer as the tail of a geometric series: the last
+    difference times $\rho / (1 - \rho)$, with $\rho$ the larger of the last two
+    ratios of successive differences. This successive-difference estimate needs
+    nothing but the small matrix, works for any `f` and both methods, and is
+    exact for linear convergence ($A^{-1/2}$, $\log A$) and an overestimate for
+    superlinear convergence ($e^{-tA}$), where the residual-based estimates of
+    Saad and of Hochbruck and Lubich are tied to the exponential. It needs at least
+    three checks, so the depth used is at least 3 unless the space is invariant
+    before (a breakdown, where the result is exact and the error 0). It is an
+    estimate, not a bound: a convergence that stalls and then resumes can
+    fool it.
+
+    The depth is chosen inside one compiled program: the buffers keep the
+    static size `d`, the steps after the chosen depth are skipped (a `lax.cond`;
+    under `jax.vmap` a batched `cond` computes both branches, so every member of
+    the batch costs `d` products, each keeping its own depth and result), and
+    the derivatives (both modes) are
+    exact for the approximation returned: that of a fixed depth equal to the
+    depth used. The reverse pass still loops over the `d` slots of the buffer
+    (the slots after the depth used are zero vectors), so choose `d` near the
+    depth you expect rather than far above it.
 
     **Returns:**
 
@@ -234,6 +318,12 @@ def funm_action(
         True
         >>> bool(jnp.allclose(z, y, rtol=1e-5))
         True
+        >>> # The depth chosen by a tolerance, at most 3:
+        >>> y, info = krylovjax.funm_action(
+        ...     jnp.exp, A, b, 3, method="lanczos", tol=1e-4
+        ... )
+        >>> int(info.depth), bool(info.converged)
+        (3, True)
 
         ```
     """
@@ -252,6 +342,15 @@ def funm_action(
             f"taken by no other method; got method={method!r}, interval={interval!r}."
         )
         raise ValueError(msg)
+    if tol is not None:
+        tol = _check_tol(tol, f"{fn_name}(tol=...)")
+        if method == "chebyshev":
+            msg = (
+                f"`{fn_name}(tol=...)` is taken by `method='lanczos'` and "
+                f"`method='arnoldi'`, whose error it estimates; got "
+                f"method={method!r}."
+            )
+            raise ValueError(msg)
     if method == "chebyshev":
         check_choice(adjoint, ("custom_jvp", "autodiff"), f"{fn_name}(adjoint=...)")
         y = chebyshev_action(f, A, b, d, interval, adjoint)
@@ -263,10 +362,17 @@ def funm_action(
     arg = f"{fn_name}(f=...)"
     # For a zero `b` the small matrix is evaluated as the identity instead (its
     # result is multiplied by zero): f(0) may be infinite, log(0) say.
+    options = {"reorthogonalize": reorthogonalize, "adjoint": adjoint}
+    estimate = None
     if method == "lanczos":
-        dec = lanczos_in_working_dtype(
-            A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint
-        )
+        if tol is None:
+            dec = lanczos_in_working_dtype(A, b, d, **options)
+        else:
+            real = _working_dtype(jnp.finfo(b_promoted.dtype).dtype)
+            fn = _scalar_function(f, jnp.zeros((d,), real), arg, _MATRIX_FUNCTION_HINT)
+            small = (jnp.zeros((d,), real), jnp.zeros((d - 1,), real))
+            stop = _stop(_LanczosCoefficients(fn), small, tol)
+            dec, estimate = lanczos_with_stop(A, b, d, stop, **options)
         work = _working_dtype(dec.diagonal.dtype)
         nonzero = dec.norm != 0
         diagonal = jnp.where(nonzero, dec.diagonal, jnp.ones_like(dec.diagonal))
@@ -276,22 +382,177 @@ def funm_action(
         diagonal, off_diagonal = diagonal.astype(work), off_diagonal.astype(work)
         fn = _scalar_function(f, jnp.zeros_like(diagonal), arg, _MATRIX_FUNCTION_HINT)
         coefficients = _funm_e0(fn, diagonal, off_diagonal)
+        betas = dec.off_diagonal
     else:
         work = _working_dtype(b_promoted.dtype)
         square = jax.ShapeDtypeStruct((d, d), work)
         what = f"the ({d}, {d}) matrix H to a ({d}, {d}) array"
         _check_output(jax.eval_shape(f, square), (d, d), arg, what)
-        dec = arnoldi_in_working_dtype(
-            A, b, d, reorthogonalize=reorthogonalize, adjoint=adjoint
-        )
+        if tol is None:
+            dec = arnoldi_in_working_dtype(A, b, d, **options)
+        else:
+            H0 = jnp.zeros((d, d), work)
+            stop = _stop(_ArnoldiCoefficients(closure_convert(f, H0)), H0, tol)
+            dec, estimate = arnoldi_with_stop(A, b, d, stop, **options)
         H = jnp.where(
             dec.norm != 0, dec.hessenberg.astype(work), jnp.eye(d, dtype=work)
         )
         coefficients = _matrix_function_e0(f, H)
+        betas = jnp.real(jnp.diagonal(dec.hessenberg, -1))
     dtype = standard_result_type(dec.basis.dtype, coefficients.dtype)
     scaled = coefficients.astype(dtype) * dec.norm.astype(dtype)
     y = dec.basis.astype(dtype) @ scaled
-    return y.astype(_result_dtype(b_promoted.dtype, coefficients.dtype))
+    y = y.astype(_result_dtype(b_promoted.dtype, coefficients.dtype))
+    if estimate is None or tol is None:
+        return y
+    betas = lax.stop_gradient(jnp.concatenate([betas, jnp.zeros((1,), betas.dtype)]))
+    size = lax.stop_gradient(_norm(coefficients))
+    info = FunmInfo(
+        error=lax.stop_gradient(estimate * dec.norm),
+        depth=(last_step(betas) + 1).astype(jnp.int32),
+        converged=lax.stop_gradient(estimate <= tol * size),
+    )
+    return y, info
+
+
+# ------------------------------------------------------------ error control
+
+
+# The stop test of `funm_action(tol=...)` runs at every step up to this many, then
+# every (k + 1) // CHECK_SPACING steps: the depth it picks is at most 1 /
+# CHECK_SPACING above the step at which the estimate first meets `tol`, and the
+# small function evaluations (d x d each) number about CHECK_SPACING * (1 +
+# ln(depth / CHECK_SPACING)) rather than depth.
+CHECK_SPACING = 16
+
+
+def check_steps(d: int) -> np.ndarray:
+    """Whether the stop test runs after step `k`, for `k < d` (the last step
+    always)."""
+    checks = np.zeros(d, bool)
+    k = 0
+    while k < d:
+        checks[k] = True
+        k += max(1, (k + 1) // CHECK_SPACING)
+    checks[d - 1] = True
+    return checks
+
+
+class _State(eqx.Module):
+    coefficients: Array  # c at the last check
+    differences: Array  # the last two differences between checks, newest first
+    count: Array  # the checks made
+    estimate: Array
+
+
+class Tolerance(AbstractStop):
+    r"""The stop test of `funm_action(tol=...)`: an a-posteriori estimate of the
+    error from successive approximations.
+
+    With $c_j = f(S_j)\, e_0$ the coefficients from the first $j$ vectors
+    ($S_j$ the leading block of $T$ or $H$), checked at steps $j_1 < j_2 <
+    \dots$ (`check_steps`), the difference $\delta_i = \|c_{j_i} -
+    c_{j_{i-1}}\|$ ($= \|y_{j_i} - y_{j_{i-1}}\| / \|b\|$, the basis being
+    orthonormal) estimates the error of the older approximation. With
+    $\rho = \max(\delta_i / \delta_{i-1}, \delta_{i-1} / \delta_{i-2})$, the
+    error of the newer one is estimated as $\|b\|\, \delta_i\, \rho / (1 -
+    \rho)$: the tail of a geometric series of ratio $\rho$, exact for linear
+    convergence and an overestimate for the superlinear convergence of
+    $e^{-tA}$ (whose ratios fall); the larger of the last two ratios guards
+    against one accidentally small one. It is `inf` while $\rho \ge 1$ and
+    before three checks. The test passes when the estimate is at most
+    `tol` $\cdot \|y\|$."""
+
+    coefficients: Callable[[Any], Array]
+    tol: float = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+
+    def init(self, d: int) -> _State:
+        real = jnp.finfo(self.dtype).dtype
+        return _State(
+            coefficients=jnp.zeros((d,), self.dtype),
+            differences=jnp.zeros((2,), real),
+            count=jnp.zeros((), jnp.int32),
+            estimate=jnp.asarray(jnp.inf, real),
+        )
+
+    def __call__(
+        self, state: _State, k: Array, small: Any, broken: Array
+    ) -> tuple[_State, Array]:
+        checks = jnp.asarray(check_steps(state.coefficients.shape[0]))
+
+        def check(state: _State) -> tuple[_State, Array]:
+            c = self.coefficients(small)
+            difference = _norm(c - state.coefficients)
+            newer, older = state.differences[0], state.differences[1]
+            ratio = jnp.maximum(_ratio(difference, newer), _ratio(newer, older))
+            tail = difference * ratio / jnp.where(ratio < 1, 1 - ratio, 1)
+            estimate = jnp.where((state.count >= 2) & (ratio < 1), tail, jnp.inf)
+            estimate = jnp.where(difference == 0, 0, estimate)
+            new = _State(
+                coefficients=c,
+                differences=jnp.stack([difference, newer]),
+                count=state.count + 1,
+                estimate=estimate.astype(state.estimate.dtype),
+            )
+            return new, estimate <= self.tol * _norm(c)
+
+        def wait(state: _State) -> tuple[_State, Array]:
+            return state, jnp.asarray(False)
+
+        # The schedule depends on `k` alone: under `vmap` the `cond` stays one.
+        state, stops = lax.cond(checks[k], check, wait, state)
+        estimate = jnp.where(broken, 0, state.estimate)
+        return eqx.tree_at(lambda s: s.estimate, state, estimate), stops
+
+    def estimate(self, state: _State) -> Array:
+        return state.estimate
+
+
+class _LanczosCoefficients(eqx.Module):
+    """$f(T)\\, e_0$ from the diagonal and off-diagonal of $T$."""
+
+    fn: Callable
+
+    def __call__(self, small: tuple[Array, Array]) -> Array:
+        return _funm_e0(self.fn, *small)
+
+
+class _ArnoldiCoefficients(eqx.Module):
+    """$f(H)\\, e_0$ from $H$."""
+
+    f: Callable
+
+    def __call__(self, H: Array) -> Array:
+        return _matrix_function_e0(self.f, H)
+
+
+def _stop(coefficients: Callable, small: Any, tol: float) -> Tolerance:
+    dtype = jax.eval_shape(coefficients, small).dtype
+    return Tolerance(coefficients, tol, np.dtype(dtype))
+
+
+def _norm(x: Array) -> Array:
+    return jnp.sqrt(jnp.sum(jnp.abs(x) ** 2))
+
+
+def _ratio(x: Array, y: Array) -> Array:
+    """x / y, with 0 / 0 = 0 and x / 0 = inf otherwise."""
+    safe = jnp.where(y == 0, 1, y)
+    return jnp.where(y == 0, jnp.where(x == 0, 0, jnp.inf), x / safe)
+
+
+def _check_tol(tol: Any, arg: str) -> float:
+    if isinstance(tol, bool) or not isinstance(tol, int | float | np.floating):
+        msg = (
+            f"`{arg}` must be a positive Python float, the relative tolerance of the "
+            f"result; got {tol!r} of type {type(tol).__name__}."
+        )
+        raise TypeError(msg)
+    if not 0 < tol < 1:
+        msg = f"`{arg}` must satisfy 0 < tol < 1; got {tol!r}."
+        raise ValueError(msg)
+    return float(tol)
 
 
 # ------------------------------------------------------------- the small matrix

@@ -1,0 +1,280 @@
+"""`funm_action(tol=...)`: the depth it picks against a sweep of depths, its true
+error, the report, derivatives (exact for the approximation returned) against
+three oracles, `vmap`, breakdown and argument errors.
+
+The sweep is the error at every depth from one decomposition of the maximum depth
+(the approximation from $k$ vectors uses its leading $k$ columns and the leading
+block of the small matrix), against SciPy's `expm` and NumPy's `eigh`.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.scipy.linalg
+import numpy as np
+import pytest
+import scipy.linalg
+from helpers import (
+    check_finite_differences,
+    full_operator,
+    random_like,
+    unchecked,
+    value_vjp_jvp,
+)
+
+import krylovjax
+
+expm = jax.scipy.linalg.expm
+
+
+def path_laplacian(n):
+    main = np.full(n, 2.0)
+    main[[0, -1]] = 1.0
+    return np.diag(main) - np.diag(np.ones(n - 1), 1) - np.diag(np.ones(n - 1), -1)
+
+
+def spd_kernel(n, seed=0):
+    """An RBF kernel matrix plus noise: condition number about 10^3."""
+    x = np.random.default_rng(seed).uniform(size=n)
+    K = np.exp(-((x[:, None] - x[None]) ** 2) / (2 * 0.3**2))
+    return K + 1e-3 * np.eye(n)
+
+
+def lanczos_sweep(A, b, d, f):
+    """The Lanczos approximations of f(A) b from 1 .. d vectors."""
+    dec = krylovjax.lanczos(jnp.asarray(A), jnp.asarray(b), d)
+    Q, T = np.asarray(dec.basis), np.asarray(dec.matrix())
+    ys = []
+    for k in range(1, d + 1):
+        lam, V = np.linalg.eigh(T[:k, :k])
+        with np.errstate(all="ignore"):  # f at the zero block after a breakdown
+            ys.append(float(dec.norm) * Q[:, :k] @ (V @ (f(lam) * V[0])))
+    return ys
+
+
+def arnoldi_sweep(A, b, d, t):
+    dec = krylovjax.arnoldi(jnp.asarray(A), jnp.asarray(b), d)
+    Q, H = np.asarray(dec.basis), np.asarray(dec.hessenberg)
+    return [
+        float(dec.norm) * Q[:, :k] @ scipy.linalg.expm(-t * H[:k, :k])[:, 0]
+        for k in range(1, d + 1)
+    ]
+
+
+def relative(y, exact):
+    return np.linalg.norm(np.asarray(y) - exact) / np.linalg.norm(exact)
+
+
+def test_depth_against_a_sweep_and_the_true_error():
+    """Superlinear convergence ($e^{-tL} b$, Lanczos and Arnoldi) and linear
+    convergence ($K^{-1/2} b$, condition number about $10^3$): the depth used is
+    the smallest whose true error is below `tol`, or a few steps more (the stop
+    test runs every step up to 16, then every `k // 16`), the true error is below
+    `tol`, the report says so, and the result is the fixed-depth approximation of
+    that depth."""
+    n, t = 60, 3.0
+    L, K = path_laplacian(n), spd_kernel(n)
+    b = np.random.default_rng(1).normal(size=n)
+    w, V = np.linalg.eigh(K)
+    cases = {
+        "exp lanczos": (L, scipy.linalg.expm(-t * L) @ b, 40),
+        "exp arnoldi": (L, scipy.linalg.expm(-t * L) @ b, 40),
+        "inverse sqrt": (K, V @ (w**-0.5 * (V.T @ b)), 60),
+    }
+    sweeps = {
+        "exp lanczos": lanczos_sweep(L, b, 40, lambda x: np.exp(-t * x)),
+        "exp arnoldi": arnoldi_sweep(L, b, 40, t),
+        "inverse sqrt": lanczos_sweep(K, b, 60, lambda x: x**-0.5),
+    }
+    functions = {
+        "exp lanczos": (lambda x: jnp.exp(-t * x), "lanczos"),
+        "exp arnoldi": (lambda H: expm(-t * H), "arnoldi"),
+        "inverse sqrt": (lambda x: x**-0.5, "lanczos"),
+    }
+    tols = (1e-8,)
+
+    @jax.jit
+    def run(L, K, b):
+        out = {}
+        for name, (f, method) in functions.items():
+            A = K if name == "inverse sqrt" else L
+            d = cases[name][2]
+            for tol in tols:
+                out[name, tol] = krylovjax.funm_action(
+                    f, A, b, d, method=method, tol=tol
+                )
+        return out
+
+    out = run(jnp.asarray(L), jnp.asarray(K), jnp.asarray(b))
+    for (name, tol), (y, info) in out.items():
+        exact = cases[name][1]
+        errors = [relative(y_k, exact) for y_k in sweeps[name]]
+        smallest = 1 + next(k for k, e in enumerate(errors) if e < tol)
+        depth = int(info.depth)
+        assert smallest <= depth <= smallest + max(2, smallest // 8), (name, tol)
+        assert relative(y, exact) < tol, (name, tol)
+        assert bool(info.converged)
+        assert 0 < float(info.error) <= tol * np.linalg.norm(np.asarray(y))
+        # The estimate is not far above the truth (for these problems).
+        assert float(info.error) < 100 * np.linalg.norm(np.asarray(y) - exact)
+        np.testing.assert_allclose(y, sweeps[name][depth - 1], rtol=1e-10, atol=1e-14)
+
+
+def test_maximum_depth_reached_and_breakdown():
+    """A depth too small for `tol`: all of it is used and the report says it did
+    not converge. A `b` in an invariant space of dimension 3: three vectors, an
+    exact result and an error of zero."""
+    n = 20
+    A = np.diag(np.linspace(1.0, 5.0, n))
+    b = np.random.default_rng(0).normal(size=n)
+    b_inv = np.zeros(n)
+    b_inv[[0, 7, 12]] = 1.0
+
+    @jax.jit
+    def run(A, b, b_inv):
+        short = krylovjax.funm_action(jnp.log, A, b, 4, method="lanczos", tol=1e-12)
+        fixed = krylovjax.funm_action(jnp.log, A, b, 4, method="lanczos")
+        broken = krylovjax.funm_action(
+            jnp.log, A, b_inv, 10, method="lanczos", tol=1e-8
+        )
+        arnoldi = krylovjax.funm_action(
+            jax.scipy.linalg.expm, A, b_inv, 10, method="arnoldi", tol=1e-8
+        )
+        return short, fixed, broken, arnoldi
+
+    (y, info), fixed, (y_inv, info_inv), (z_inv, info_z) = run(
+        jnp.asarray(A), jnp.asarray(b), jnp.asarray(b_inv)
+    )
+    assert int(info.depth) == 4 and not bool(info.converged)
+    assert float(info.error) > 1e-12 * np.linalg.norm(np.asarray(y))
+    np.testing.assert_array_equal(y, fixed)
+    for got, report, fn in ((y_inv, info_inv, np.log), (z_inv, info_z, np.exp)):
+        assert int(report.depth) == 3 and bool(report.converged)
+        assert float(report.error) == 0
+        np.testing.assert_allclose(got, fn(np.diag(A)) * b_inv, rtol=1e-12, atol=1e-15)
+
+
+def test_derivatives_are_those_of_the_approximation_returned():
+    """With respect to a BCOO matrix's values, `b`, and a time `f` closes over
+    (Lanczos), and a callable's arrays (Arnoldi): the default rules against JAX's
+    own rules through the same early-stopped scan, against the derivatives of the
+    fixed-depth call at the depth used, and against finite differences in forward
+    and reverse mode, from one program."""
+    n, d = 14, 14
+    L = path_laplacian(n)
+    p_bcoo, build_bcoo = full_operator("bcoo", L)
+    p_closure, build_closure = full_operator("closure", L + np.triu(L, 1) / 4)
+    b = jnp.asarray(np.random.default_rng(2).normal(size=n))
+    t = jnp.asarray(0.7, jnp.float64)
+    tol = 1e-7
+
+    def call(adjoint, depths=(d, d)):
+        def f(p_bcoo, p_closure, b, t):
+            kw = {"adjoint": adjoint}
+            if depths == (d, d):
+                kw["tol"] = tol
+            lanczos = krylovjax.funm_action(
+                lambda x: jnp.exp(-t * x),
+                build_bcoo(p_bcoo),
+                b,
+                depths[0],
+                method="lanczos",
+                **kw,
+            )
+            arnoldi = krylovjax.funm_action(
+                lambda H: expm(-t * H),
+                build_closure(p_closure),
+                b,
+                depths[1],
+                method="arnoldi",
+                **kw,
+            )
+            if "tol" not in kw:
+                return lanczos, arnoldi
+            return lanczos[0], arnoldi[0]
+
+        return f
+
+    args = (p_bcoo, p_closure, b, t)
+    depths = jax.jit(
+        lambda *a: [
+            krylovjax.funm_action(
+                lambda x: jnp.exp(-a[3] * x),
+                build_bcoo(a[0]),
+                a[2],
+                d,
+                method="lanczos",
+                tol=tol,
+            )[1].depth,
+            krylovjax.funm_action(
+                lambda H: expm(-a[3] * H),
+                build_closure(a[1]),
+                a[2],
+                d,
+                method="arnoldi",
+                tol=tol,
+            )[1].depth,
+        ]
+    )(*args)
+    depths = tuple(int(k) for k in depths)
+    assert all(k < d for k in depths)
+    tangents = random_like(jr.key(3), args)
+    cts = random_like(jr.key(4), jax.eval_shape(call("custom_jvp"), *args))
+
+    @jax.jit
+    def run(args, tangents, cts):
+        custom = value_vjp_jvp(call("custom_jvp"), args, tangents, cts)
+        autodiff = value_vjp_jvp(call("autodiff"), args, tangents, cts)
+        fixed = value_vjp_jvp(call("custom_jvp", depths), args, tangents, cts)
+        return custom, autodiff, fixed
+
+    custom, autodiff, fixed = run(args, tangents, cts)
+    for other in (autodiff, fixed):
+        for got, want in zip(
+            jax.tree.leaves(custom), jax.tree.leaves(other), strict=True
+        ):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    check_finite_differences(call("custom_jvp"), lambda *a: run(*a)[0], args, rtol=1e-6)
+
+
+def test_vmap_gives_each_vector_its_own_depth():
+    n = 40
+    L = jnp.asarray(path_laplacian(n))
+    rng = np.random.default_rng(3)
+    B = np.stack([rng.normal(size=n), np.eye(n)[0], np.exp(-np.arange(n) / 2.0)])
+    B = jnp.asarray(B)
+
+    def one(b):
+        return krylovjax.funm_action(
+            lambda x: jnp.exp(-2 * x), L, b, 30, method="lanczos", tol=1e-8
+        )
+
+    ys, infos = jax.jit(jax.vmap(one))(B)
+    depths = [int(k) for k in infos.depth]
+    assert len(set(depths)) > 1
+    for i in range(B.shape[0]):
+        y, info = jax.jit(one)(B[i])
+        assert int(info.depth) == depths[i]
+        np.testing.assert_allclose(ys[i], y, rtol=1e-12, atol=1e-15)
+
+
+def test_tol_errors():
+    A, b = jnp.eye(3), jnp.ones(3)
+
+    def call(**kw):
+        return krylovjax.funm_action(jnp.exp, A, b, 2, method="lanczos", **kw)
+
+    for bad in (0.0, -1e-3, 1.0):
+        with pytest.raises(
+            ValueError, match=r"`funm_action\(tol=...\)` must satisfy 0"
+        ):
+            call(tol=bad)
+    for bad in ("1e-3", True, jnp.asarray(1e-3)):
+        with pytest.raises(TypeError, match=r"`funm_action\(tol=...\)` must be a"):
+            unchecked(krylovjax.funm_action)(
+                jnp.exp, A, b, 2, method="lanczos", tol=bad
+            )
+    with pytest.raises(ValueError, match=r"`funm_action\(tol=...\)` is taken by"):
+        krylovjax.funm_action(
+            jnp.exp, A, b, 2, method="chebyshev", interval=(0.0, 2.0), tol=1e-3
+        )
