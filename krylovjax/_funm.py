@@ -371,7 +371,7 @@ def funm_action(
             real = _working_dtype(jnp.finfo(b_promoted.dtype).dtype)
             fn = _scalar_function(f, jnp.zeros((d,), real), arg, _MATRIX_FUNCTION_HINT)
             small = (jnp.zeros((d,), real), jnp.zeros((d - 1,), real))
-            stop = _stop(_LanczosCoefficients(fn), small, tol)
+            stop = tolerance(_LanczosCoefficients(fn), small, d, tol)
             dec, estimate = lanczos_with_stop(A, b, d, stop, **options)
         work = _working_dtype(dec.diagonal.dtype)
         nonzero = dec.norm != 0
@@ -392,7 +392,8 @@ def funm_action(
             dec = arnoldi_in_working_dtype(A, b, d, **options)
         else:
             H0 = jnp.zeros((d, d), work)
-            stop = _stop(_ArnoldiCoefficients(closure_convert(f, H0)), H0, tol)
+            coefficients = _ArnoldiCoefficients(closure_convert(f, H0))
+            stop = tolerance(coefficients, H0, d, tol)
             dec, estimate = arnoldi_with_stop(A, b, d, stop, **options)
         H = jnp.where(
             dec.norm != 0, dec.hessenberg.astype(work), jnp.eye(d, dtype=work)
@@ -465,12 +466,13 @@ class Tolerance(AbstractStop):
 
     coefficients: Callable[[Any], Array]
     tol: float = eqx.field(static=True)
-    dtype: Any = eqx.field(static=True)
+    depth: int = eqx.field(static=True)
+    out: jax.ShapeDtypeStruct = eqx.field(static=True)
 
     def init(self, d: int) -> _State:
-        real = jnp.finfo(self.dtype).dtype
+        real = jnp.finfo(self.out.dtype).dtype
         return _State(
-            coefficients=jnp.zeros((d,), self.dtype),
+            coefficients=jnp.zeros(self.out.shape, self.out.dtype),
             differences=jnp.zeros((2,), real),
             count=jnp.zeros((), jnp.int32),
             estimate=jnp.asarray(jnp.inf, real),
@@ -479,10 +481,10 @@ class Tolerance(AbstractStop):
     def __call__(
         self, state: _State, k: Array, small: Any, broken: Array
     ) -> tuple[_State, Array]:
-        checks = jnp.asarray(check_steps(state.coefficients.shape[0]))
+        checks = jnp.asarray(check_steps(self.depth))
 
         def check(state: _State) -> tuple[_State, Array]:
-            c = self.coefficients(small)
+            c = _one_at_a_time(self.coefficients, small)
             difference = _norm(c - state.coefficients)
             newer, older = state.differences[0], state.differences[1]
             ratio = jnp.maximum(_ratio(difference, newer), _ratio(newer, older))
@@ -527,9 +529,26 @@ class _ArnoldiCoefficients(eqx.Module):
         return _matrix_function_e0(self.f, H)
 
 
-def _stop(coefficients: Callable, small: Any, tol: float) -> Tolerance:
-    dtype = jax.eval_shape(coefficients, small).dtype
-    return Tolerance(coefficients, tol, np.dtype(dtype))
+def tolerance(coefficients: Callable, small: Any, d: int, tol: float) -> Tolerance:
+    """The stop test of `tol` for what `coefficients` computes from `small`, the
+    small matrix of a decomposition of depth `d`."""
+    out = jax.eval_shape(coefficients, small)
+    return Tolerance(coefficients, tol, d, jax.ShapeDtypeStruct(out.shape, out.dtype))
+
+
+def _one_at_a_time(fn: Callable, small: Any) -> Array:
+    """`fn(small)`, and under `jax.vmap` one member of the batch after another
+    (`jax.custom_batching.sequential_vmap`): jaxlib's batched `eigh` on CPU waits
+    on its own thread pool, where two at once can wait on each other forever (see
+    `_trace.py`). No derivatives pass through (the test has none)."""
+    arrays, rest = eqx.partition(fn, eqx.is_array)
+    arrays = lax.stop_gradient(arrays)
+
+    @jax.custom_batching.sequential_vmap
+    def call(arrays: Any, small: Any) -> Array:
+        return eqx.combine(arrays, rest)(small)
+
+    return call(arrays, lax.stop_gradient(small))
 
 
 def _norm(x: Array) -> Array:
