@@ -94,6 +94,7 @@ from ._orthogonal import (
     decompose,
     derivative_rule,
     last_step,
+    loop_steps,
     next_adjoint,
     next_tangent,
     next_vector,
@@ -278,6 +279,8 @@ def arnoldi_forward(
     d: int,
     reorth: bool,
     stop: AbstractStop | None = None,
+    *,
+    early: bool = False,
 ) -> tuple[Array, ...]:
     """The basis as rows `(d, n)`, $H$, the residual and $\\|x_0\\|$ (and the stop
     test's estimate, with one), by one scan."""
@@ -305,7 +308,7 @@ def arnoldi_forward(
         # and the buffer written outside the `cond`.
         Q, hs, betas, r, done, state = carry
         args = (k, Q, hs, betas, state)
-        if stop is None:
+        if stop is None or early:
             h, beta, q, w, ends, state = run(*args)
         else:
             h, beta, q, w, ends, state = lax.cond(done, skip, run, *args)
@@ -314,11 +317,12 @@ def arnoldi_forward(
         Q = Q.at[k + 1].set(q, mode="drop")
         r = jnp.where(ends & ~done, w, r)
         hs, betas = hs.at[k].set(h), betas.at[k].set(beta)
-        return (Q, hs, betas, r, done | ends, state), None
+        return (Q, hs, betas, r, done | ends, state)
 
     state = None if stop is None else stop.init(d)
     carry = (Q, hs, betas, jnp.zeros_like(x0), jnp.asarray(False), state)
-    (Q, hs, betas, r, _, state), _ = lax.scan(step, carry, jnp.arange(d))
+    early = early and stop is not None
+    Q, hs, betas, r, _, state = loop_steps(step, carry, d, early)
     out = (Q, _hessenberg(hs, betas), r, nu)
     return out if stop is None else (*out, stop.estimate(state))
 

@@ -369,9 +369,14 @@ def funm_action(
             dec = lanczos_in_working_dtype(A, b, d, **options)
         else:
             real = _working_dtype(jnp.finfo(b_promoted.dtype).dtype)
-            fn = _scalar_function(f, jnp.zeros((d,), real), arg, _MATRIX_FUNCTION_HINT)
+            fns = tuple(
+                _scalar_function(
+                    f, jnp.zeros((int(n),), real), arg, _MATRIX_FUNCTION_HINT
+                )
+                for n in block_sizes(d)
+            )
             small = (jnp.zeros((d,), real), jnp.zeros((d - 1,), real))
-            stop = tolerance(_LanczosCoefficients(fn), small, d, tol)
+            stop = tolerance(_LanczosCoefficients(fns), small, d, tol)
             dec, estimate = lanczos_with_stop(A, b, d, stop, **options)
         work = _working_dtype(dec.diagonal.dtype)
         nonzero = dec.norm != 0
@@ -392,7 +397,11 @@ def funm_action(
             dec = arnoldi_in_working_dtype(A, b, d, **options)
         else:
             H0 = jnp.zeros((d, d), work)
-            coefficients = _ArnoldiCoefficients(closure_convert(f, H0))
+            fns = tuple(
+                closure_convert(f, jnp.zeros((int(n), int(n)), work))
+                for n in block_sizes(d)
+            )
+            coefficients = _ArnoldiCoefficients(fns)
             stop = tolerance(coefficients, H0, d, tol)
             dec, estimate = arnoldi_with_stop(A, b, d, stop, **options)
         H = jnp.where(
@@ -482,9 +491,13 @@ class Tolerance(AbstractStop):
         self, state: _State, k: Array, small: Any, broken: Array
     ) -> tuple[_State, Array]:
         checks = jnp.asarray(check_steps(self.depth))
+        # The block of the first k + 1 vectors is evaluated inside the smallest
+        # of `block_sizes` that holds it (its rest is zero, decoupled from it).
+        sizes = block_sizes(self.depth)
+        index = jnp.asarray(np.searchsorted(sizes, np.arange(1, self.depth + 1)))[k]
 
         def check(state: _State) -> tuple[_State, Array]:
-            c = _one_at_a_time(self.coefficients, small)
+            c = _one_at_a_time(self.coefficients, small, index)
             difference = _norm(c - state.coefficients)
             newer, older = state.differences[0], state.differences[1]
             ratio = jnp.maximum(_ratio(difference, newer), _ratio(newer, older))
@@ -511,32 +524,71 @@ class Tolerance(AbstractStop):
         return state.estimate
 
 
+def block_sizes(d: int) -> np.ndarray:
+    """The sizes at which the stop test evaluates the leading block of the small
+    matrix: powers of two from 8, and `d`. A check after step `k` costs a
+    function of a matrix of at most `2 (k + 1)` rows rather than `d`."""
+    sizes, size = [], 8
+    while size < d:
+        sizes.append(size)
+        size *= 2
+    return np.array([*sizes, d])
+
+
+def _pad(c: Array, d: int) -> Array:
+    return jnp.concatenate([c, jnp.zeros((d - c.shape[0],), c.dtype)])
+
+
 class _LanczosCoefficients(eqx.Module):
-    """$f(T)\\, e_0$ from the diagonal and off-diagonal of $T$."""
+    """$f(T)\\, e_0$ from the diagonal and off-diagonal of $T$, evaluated on its
+    leading block of size `block_sizes(d)[index]` (one closure-converted `f` per
+    size)."""
 
-    fn: Callable
+    fns: tuple[Callable, ...]
 
-    def __call__(self, small: tuple[Array, Array]) -> Array:
-        return _funm_e0(self.fn, *small)
+    def __call__(self, small: tuple[Array, Array], index: Array) -> Array:
+        diagonal, off_diagonal = small
+        d = diagonal.shape[0]
+
+        def branch(fn: Callable, size: int) -> Callable:
+            def run(diagonal: Array, off_diagonal: Array) -> Array:
+                c = _funm_e0(fn, diagonal[:size], off_diagonal[: size - 1])
+                return _pad(c, d)
+
+            return run
+
+        sizes = block_sizes(d)
+        branches = [branch(fn, int(n)) for fn, n in zip(self.fns, sizes, strict=True)]
+        return lax.switch(index, branches, diagonal, off_diagonal)
 
 
 class _ArnoldiCoefficients(eqx.Module):
-    """$f(H)\\, e_0$ from $H$."""
+    """$f(H)\\, e_0$ from $H$, on its leading block as for Lanczos."""
 
-    f: Callable
+    fns: tuple[Callable, ...]
 
-    def __call__(self, H: Array) -> Array:
-        return _matrix_function_e0(self.f, H)
+    def __call__(self, H: Array, index: Array) -> Array:
+        d = H.shape[0]
+
+        def branch(f: Callable, size: int) -> Callable:
+            def run(H: Array) -> Array:
+                return _pad(_matrix_function_e0(f, H[:size, :size]), d)
+
+            return run
+
+        sizes = block_sizes(d)
+        branches = [branch(f, int(n)) for f, n in zip(self.fns, sizes, strict=True)]
+        return lax.switch(index, branches, H)
 
 
 def tolerance(coefficients: Callable, small: Any, d: int, tol: float) -> Tolerance:
     """The stop test of `tol` for what `coefficients` computes from `small`, the
     small matrix of a decomposition of depth `d`."""
-    out = jax.eval_shape(coefficients, small)
+    out = jax.eval_shape(coefficients, small, jnp.zeros((), jnp.int32))
     return Tolerance(coefficients, tol, d, jax.ShapeDtypeStruct(out.shape, out.dtype))
 
 
-def _one_at_a_time(fn: Callable, small: Any) -> Array:
+def _one_at_a_time(fn: Callable, small: Any, index: Array) -> Array:
     """`fn(small)`, and under `jax.vmap` one member of the batch after another
     (`jax.custom_batching.sequential_vmap`): jaxlib's batched `eigh` on CPU waits
     on its own thread pool, where two at once can wait on each other forever (see
@@ -545,10 +597,10 @@ def _one_at_a_time(fn: Callable, small: Any) -> Array:
     arrays = lax.stop_gradient(arrays)
 
     @jax.custom_batching.sequential_vmap
-    def call(arrays: Any, small: Any) -> Array:
-        return eqx.combine(arrays, rest)(small)
+    def call(arrays: Any, small: Any, index: Array) -> Array:
+        return eqx.combine(arrays, rest)(small, index)
 
-    return call(arrays, lax.stop_gradient(small))
+    return call(arrays, lax.stop_gradient(small), index)
 
 
 def _norm(x: Array) -> Array:

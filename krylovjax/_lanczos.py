@@ -97,6 +97,7 @@ from ._orthogonal import (
     decompose,
     derivative_rule,
     last_step,
+    loop_steps,
     next_adjoint,
     next_tangent,
     next_vector,
@@ -312,6 +313,8 @@ def lanczos_forward(
     d: int,
     reorth: bool,
     stop: AbstractStop | None = None,
+    *,
+    early: bool = False,
 ) -> tuple[Array, ...]:
     """The basis as rows `(d, n)`, $\\alpha$, $\\beta$, the residual and
     $\\|x_0\\|$ (and the stop test's estimate, with one), by one scan."""
@@ -341,7 +344,7 @@ def lanczos_forward(
         # the `cond`, which under `vmap` selects between the vectors only.
         Q, alpha, beta, r, done, state = carry
         args = (k, Q, alpha, beta, state)
-        if stop is None:
+        if stop is None or early:
             a, b, q, w, ends, state = run(*args)
         else:
             a, b, q, w, ends, state = lax.cond(done, skip, run, *args)
@@ -350,11 +353,12 @@ def lanczos_forward(
         Q = Q.at[k + 1].set(q, mode="drop")
         r = jnp.where(ends & ~done, w, r)
         alpha, beta = alpha.at[k].set(a), beta.at[k].set(b)
-        return (Q, alpha, beta, r, done | ends, state), None
+        return (Q, alpha, beta, r, done | ends, state)
 
     state = None if stop is None else stop.init(d)
     carry = (Q, alpha, beta, jnp.zeros_like(x0), jnp.asarray(False), state)
-    (Q, alpha, beta, r, _, state), _ = lax.scan(step, carry, jnp.arange(d))
+    early = early and stop is not None
+    Q, alpha, beta, r, _, state = loop_steps(step, carry, d, early)
     out = (Q, alpha, beta[:-1], r, nu)
     return out if stop is None else (*out, stop.estimate(state))
 

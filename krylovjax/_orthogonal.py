@@ -59,12 +59,13 @@ stay finite.
 **Stopping early.** A decomposition can be given a stop test (`AbstractStop`),
 called on the small matrix after each step: where it passes at step $k$, the step
 ends as a breakdown does ($\beta_k = 0$, $q_{k+1} = 0$, $r = w_k$) and the later
-steps are skipped (a `lax.cond` in the scan, so the buffer keeps its static size
-$d$). The derivative rules need nothing new: they already give zero tangents after
-a zero $\beta_k$, and they read the residual's step from the outputs, so the
-derivatives are exact for the $k + 1$ vectors returned. The test's decision has no
-derivative (the depth is piecewise constant), and no `while_loop` is ever
-differentiated.
+steps are skipped, the buffer keeping its static size $d$ (`loop_steps`: a
+`while_loop` in the forward pass of the derivative rules, which JAX does not
+differentiate; a `lax.cond` in the scan of `adjoint="autodiff"`). The derivative
+rules need nothing new: they already give zero tangents after a zero $\beta_k$,
+and they read the residual's step from the outputs, so the derivatives are exact
+for the $k + 1$ vectors returned. The test's decision has no derivative (the depth
+is piecewise constant), and no `while_loop` is ever differentiated.
 
 **Conventions for complex numbers.** Inner products conjugate their first
 argument, $\langle a, b \rangle = a^H b$. The maths of the adjoints is written with
@@ -349,6 +350,28 @@ class AbstractStop(eqx.Module):
         last output."""
 
 
+def loop_steps(
+    step: Callable[[Any, Array], Any], carry: Any, d: int, early: bool
+) -> Any:
+    """`carry = step(carry, k)` for `k = 0, ..., d - 1`, by `lax.scan`; with
+    `early`, by a `lax.while_loop` that ends after the step that ends the basis
+    (`carry[-2]` says whether one has). The loop is a `while_loop` only where JAX
+    never differentiates it: inside a derivative rule's forward pass."""
+    if not early:
+        carry, _ = lax.scan(lambda c, k: (step(c, k), None), carry, jnp.arange(d))
+        return carry
+
+    def cond(c: tuple[Array, Any]) -> Array:
+        k, carry = c
+        return (k < d) & ~carry[-2]
+
+    def body(c: tuple[Array, Any]) -> tuple[Array, Any]:
+        k, carry = c
+        return k + 1, step(carry, k)
+
+    return lax.while_loop(cond, body, (jnp.asarray(0), carry))[1]
+
+
 def last_step(betas: Array) -> Array:
     r"""The step whose remainder $w_k$ is the residual: the first with $\beta_k = 0$
     in `betas`, the step norms with the last one (not normalised) set to zero."""
@@ -610,13 +633,13 @@ def derivative_rule(
     # constant, and so is its estimate.
     @eqx.filter_custom_jvp
     def decomposition(operator, x0, stop, *, d, reorth):
-        return forward(operator, x0, d, reorth, stop)
+        return forward(operator, x0, d, reorth, stop, early=True)
 
     @decomposition.def_jvp
     def _jvp(primals, tangents, *, d, reorth):
         operator, x0, stop = primals
         t_operator, t_x0, _ = tangents
-        out = forward(operator, x0, d, reorth, stop)
+        out = forward(operator, x0, d, reorth, stop, early=True)
         t_x0 = jnp.zeros_like(x0) if t_x0 is None else t_x0
         t_operator = tangent_or_none(t_operator)
         if stop is None:
