@@ -11,6 +11,12 @@ from ._bases import (
     Legendre as Legendre,
     ThreeTerm as ThreeTerm,
 )
+from ._block import (
+    BlockArnoldi as BlockArnoldi,
+    BlockLanczos as BlockLanczos,
+    block_arnoldi as block_arnoldi,
+    block_lanczos as block_lanczos,
+)
 from ._funm import FunmInfo as FunmInfo, funm_action as funm_action
 from ._iterate import iterate as iterate
 from ._krylov import auto_method as auto_method, krylov as krylov
@@ -31,6 +37,8 @@ from ._typing import OperatorLike as OperatorLike, StaticInt as StaticInt
 __all__ = [
     "AbstractBasis",
     "Arnoldi",
+    "BlockArnoldi",
+    "BlockLanczos",
     "Chebyshev",
     "FunmInfo",
     "GraphPartition",
@@ -43,6 +51,8 @@ __all__ = [
     "ThreeTerm",
     "arnoldi",
     "auto_method",
+    "block_arnoldi",
+    "block_lanczos",
     "funm_action",
     "iterate",
     "krylov",

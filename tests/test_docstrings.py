@@ -27,6 +27,7 @@ CORE_MODULES = [
     "krylovjax._iterate",
     "krylovjax._arnoldi",
     "krylovjax._lanczos",
+    "krylovjax._block",
     "krylovjax._funm",
     "krylovjax._trace",
     "krylovjax._readout",

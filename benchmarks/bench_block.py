@@ -1,0 +1,209 @@
+"""Benchmark block Lanczos quadrature against vmapped single-vector Lanczos.
+
+The task: an estimate of $\\operatorname{tr} \\log A$ from 64 Rademacher probes $Z$
+for a symmetric positive definite $A$, at equal products with $A$:
+
+- block: the 64 probes as 4 blocks of 16, `jax.vmap` over the blocks of block
+  Gauss quadrature $\\operatorname{tr}(R_0^\\top E_0^\\top \\log(T) E_0 R_0)$ from
+  `krylovjax.block_lanczos` at depth $d$ ($d$ products of $A$ with 16 columns per
+  block);
+- single: `jax.vmap` over the 64 probes of Lanczos quadrature
+  $\\|z\\|^2 e_0^\\top \\log(T) e_0$ from `krylovjax.lanczos` at depth $d$ ($d$
+  products with one vector per probe, which `vmap` batches into products with 64
+  columns);
+- products only: $d$ products of $A$ with the 64 columns, nothing else (what the
+  products cost inside either method).
+
+Both estimates divide by 64 and use the same probes, and both re-orthogonalise
+(the default) or neither does (`--no-reorthogonalize`). The two matrices have
+exact log-determinants in closed form: a dense symmetric circulant (its
+eigenvalues are the discrete Fourier transform of its first row) and the BCOO
+five-point Laplacian of a square grid plus a shift. The times are measured side by
+side (`_harness.measure`, interleaved rounds), forward only, in
+float32 (`--dtype float64` for the other); the errors are relative to the exact
+value.
+
+Run `python benchmarks/bench_block.py` (dense n = 4096 and BCOO n = 99856, d = 20;
+a few minutes on two cores) or `--quick` (n = 1024 and 10^4).
+"""
+
+import argparse
+from pathlib import Path
+
+import _harness as h
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse
+
+import krylovjax
+from krylovjax._block import block_trace_quadrature
+
+PROBES = 64
+BLOCK = 16
+
+
+def circulant(n: int) -> tuple[np.ndarray, float]:
+    """A dense SPD symmetric circulant matrix and its exact log-determinant."""
+    j = np.arange(n)
+    distance = np.minimum(j, n - j)
+    first = np.exp(-distance / 8.0) / 8.0
+    first[0] += 0.5
+    eigenvalues = np.fft.fft(first).real
+    assert eigenvalues.min() > 0
+    matrix = first[(j[None, :] - j[:, None]) % n]
+    return matrix, float(np.sum(np.log(eigenvalues)))
+
+
+def laplacian(m: int, shift: float = 0.05) -> tuple[sparse.BCOO, float]:
+    """The five-point Laplacian of an m x m grid plus `shift` I (n = m^2), as BCOO,
+    and its exact log-determinant."""
+    n = m * m
+    index = np.arange(n).reshape(m, m)
+    rows, cols, vals = [index.ravel()], [index.ravel()], [np.full(n, 4.0 + shift)]
+    for a, b in ((index[:-1, :], index[1:, :]), (index[:, :-1], index[:, 1:])):
+        for r, c in ((a, b), (b, a)):
+            rows.append(r.ravel())
+            cols.append(c.ravel())
+            vals.append(np.full(r.size, -1.0))
+    indices = np.stack([np.concatenate(rows), np.concatenate(cols)], axis=1)
+    data = np.concatenate(vals)
+    matrix = sparse.BCOO((jnp.asarray(data), jnp.asarray(indices)), shape=(n, n))
+    k = np.arange(1, m + 1)
+    line = 2.0 - 2.0 * np.cos(np.pi * k / (m + 1))
+    eigenvalues = shift + line[:, None] + line[None, :]
+    return matrix, float(np.sum(np.log(eigenvalues)))
+
+
+def block_estimate(A, Z, d, reorth=True):
+    n = Z.shape[0]
+    blocks = Z.reshape(n, PROBES // BLOCK, BLOCK).transpose(1, 0, 2)
+
+    def one(B):
+        return block_trace_quadrature(jnp.log, A, B, d, reorthogonalize=reorth)
+
+    traces = jax.vmap(one)(blocks)
+    return jnp.sum(traces) / PROBES
+
+
+def single_estimate(A, Z, d, reorth=True):
+    def quadrature(z):
+        dec = krylovjax.lanczos(A, z, d, reorthogonalize=reorth)
+        lam, V = jnp.linalg.eigh(dec.matrix())
+        return dec.norm**2 * jnp.sum(V[0] ** 2 * jnp.log(lam))
+
+    return jnp.sum(jax.vmap(quadrature, in_axes=1)(Z)) / PROBES
+
+
+def products_only(A, Z, d):
+    def step(_, X):
+        Y = A @ X
+        return Y / jnp.max(jnp.abs(Y))
+
+    return jax.lax.fori_loop(0, d, step, Z)
+
+
+def run_case(name, A, exact, n, d, dtype, reorth, timing, log):
+    rng = np.random.default_rng(0)
+    Z = jnp.asarray(rng.choice([-1.0, 1.0], size=(n, PROBES)).astype(dtype))
+    if isinstance(A, np.ndarray):
+        A = jnp.asarray(A.astype(dtype))
+    else:
+        A = sparse.BCOO((A.data.astype(dtype), A.indices), shape=A.shape)
+    fns = {
+        "block": (lambda A, Z: block_estimate(A, Z, d, reorth), (A, Z)),
+        "single": (lambda A, Z: single_estimate(A, Z, d, reorth), (A, Z)),
+        "products": (lambda A, Z: products_only(A, Z, d), (A, Z)),
+    }
+    log(f"{name}: n = {n}, d = {d}, compiling and timing")
+    results = h.measure(fns, outputs=True, **timing)
+    errors = {
+        key: abs(float(results[key]["output"]) - exact) / abs(exact)
+        for key in ("block", "single")
+    }
+    for key in results:
+        results[key].pop("output")
+    return {"case": name, "n": n, "d": d, "exact": exact, "errors": errors} | {
+        "results": results
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few runs")
+    parser.add_argument("--depth", type=int, default=20, help="d, products per probe")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument(
+        "--no-reorthogonalize",
+        action="store_true",
+        help="both methods without re-orthogonalisation (default: with)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "out" / "block"
+    )
+    args = parser.parse_args()
+    h.cpu_by_default()
+    if args.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    log = h.Log()
+    if args.quick:
+        timing = {"target_s": 0.2, "min_rounds": 3, "max_rounds": 10}
+        dense_n, grid = 1024, 100
+    else:
+        timing = {"target_s": 1.0, "min_rounds": 5, "max_rounds": 20}
+        dense_n, grid = 4096, 316
+    d = args.depth
+    reorth = not args.no_reorthogonalize
+    records = []
+    matrix, exact = circulant(dense_n)
+    records.append(
+        run_case("dense", matrix, exact, dense_n, d, args.dtype, reorth, timing, log)
+    )
+    del matrix
+    matrix, exact = laplacian(grid)
+    records.append(
+        run_case("BCOO", matrix, exact, grid * grid, d, args.dtype, reorth, timing, log)
+    )
+    rows = []
+    for r in records:
+        res = r["results"]
+        block, single, products = (res[k]["median_s"] for k in res)
+        rows.append(
+            [
+                r["case"],
+                r["n"],
+                r["d"],
+                h.ms(block),
+                h.ms(single),
+                h.ms(products),
+                h.fmt(h.ratio(single, block)),
+                f"{r['errors']['block']:.2e}",
+                f"{r['errors']['single']:.2e}",
+                h.fmt(res["block"]["compile_s"], ".1f"),
+                h.fmt(res["single"]["compile_s"], ".1f"),
+            ]
+        )
+    lines = [
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, {args.dtype}, "
+        f"{h.cores()} cores; tr log A from {PROBES} Rademacher probes "
+        f"({PROBES // BLOCK} blocks of {BLOCK}), d products per probe, "
+        f"re-orthogonalisation {'on' if reorth else 'off'}",
+        "",
+        *h.table(
+            "matrix | n | d | block ms | single ms | products only ms "
+            "| single / block time | block rel. error | single rel. error "
+            "| block compile s | single compile s",
+            rows,
+            "lrrrrrrrrrr",
+        ),
+    ]
+    markdown = "\n".join(lines) + "\n"
+    print(markdown)
+    report = {"machine": h.machine_info(), "records": records}
+    stem = "block" if reorth else "block_no_reorth"
+    h.write_results(args.out, report, markdown, stem=stem)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,674 @@
+r"""`block_lanczos` and `block_arnoldi`: an orthonormal basis of a block Krylov space
+and its block tridiagonal or block Hessenberg matrix, with deflation; and the
+block quadrature of matrix functions built on them.
+
+**Forward pass.** For a block $X_0$ of $b$ columns, the first block of the basis
+and the triangle $R_0$ with $X_0 = Q_0 R_0$ come from Gram-Schmidt on the columns
+of $X_0$ (`_columns`). Step $k = 0, \dots, d-1$ of one `lax.scan` applies $A$ to
+the block $Q_k$ (one product with $b$ vectors, `operator.mm` on rows) and
+orthogonalises the result $W = A Q_k$:
+
+- Lanczos: $W \mathrel{-}= Q_{k-1} B_{k-1}^H$, $\alpha_k = \operatorname{herm}(Q_k^H
+  W)$ (the Hermitian part), $W \mathrel{-}= Q_k \alpha_k$, and with
+  `reorthogonalize=True` one classical Gram-Schmidt pass $W \mathrel{-}= Q (Q^H W)$
+  against the whole preallocated basis buffer (its coefficients are
+  rounding-sized and are not kept);
+- Arnoldi: $C^{(1)} = Q^H W$, $W \mathrel{-}= Q C^{(1)}$, and with
+  `reorthogonalize=True` a second pass $C^{(2)}$; the block column $k$ of $H$ above
+  its subdiagonal block is $C^{(1)} + C^{(2)}$.
+
+Each is a product of the buffer with the block (BLAS 3). Then the columns of $W$
+are made orthonormal one after the other (`_columns`): column $j$ is orthogonalised
+against the columns $0, \dots, j-1$ of the new block (twice with
+`reorthogonalize=True`) and normalised by `_orthogonal.next_vector`, which applies
+the breakdown rule of the single-vector methods column by column: a remainder
+whose norm is at most `BREAKDOWN` $\varepsilon$ times the norm of the column
+before any orthogonalisation ($\|x_j\|$ for $X_0$, $\|A q_{k,j}\|$ after) is
+numerically zero, and the column of $Q_{k+1}$ becomes zero (it is *deflated*). The
+coefficients form the upper triangular $B_k$, whose row $j$ is zero for a deflated
+column, so that $W = Q_{k+1} B_k$ up to the deflated remainders. A deflated
+column of $Q_k$ stays zero through every later step ($A 0 = 0$), so a rank
+deficient $X_0$ (a repeated or zero column, columns spanning an invariant
+subspace) gives zero columns in $Q$ and zero rows and columns in $T$ or $H$, with
+finite values and derivatives (the divisions use the double-`where` trick of
+`next_vector`). At the last step the residual block is $W$ before that column
+pass: $A Q = Q T + R\, E_{d-1}^\top$ (or $Q H$), to the deflated remainders, each
+below its threshold.
+
+**Derivatives.** JAX differentiates the scan itself (`adjoint="autodiff"`, the
+only rule offered): values and derivatives of every order are exact for the
+computed algorithm, in forward and reverse mode. Reverse mode keeps the
+intermediates of every step, the basis buffer included, so its memory grows as
+$d^2 b\, n$; the hand-written rules of the single-vector methods, which keep only
+the outputs, have no block counterpart yet.
+
+**Quadrature** (`block_funm_action`, `block_trace_quadrature`). With $C = E_0 R_0$
+the first block column of the identity times $R_0$, $f(A) B \approx Q f(T) C$ and
+$\operatorname{tr}(Z^H f(A) Z) \approx \operatorname{tr}(C^H f(T) C)$ (block Gauss
+quadrature), $f$ applied to the eigenvalues of $T = V \Lambda V^H$
+(`jnp.linalg.eigh`). `_funm_columns` computes $f(T) C$ with a hand-written
+derivative (Daleckii-Krein): $\mathrm{d} f(T) = V (F \odot V^H \mathrm{d}T\, V)
+V^H$ with $F$ the divided differences of `_funm._divided_differences`, finite at
+the repeated eigenvalues a deflation leaves (there JAX's rule for `eigh` divides
+by zero). Eigenvalues that $C$ does not see (the zero rows and columns of a
+deflated column) are moved to the visible one of largest weight, as
+`_funm._eigh` does for the single-vector quadrature, so that `f` is finite there
+whenever the result is.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Inexact
+
+from ._checks import as_array, check_choice, check_depth, check_output_size
+from ._funm import _check_callable, _divided_differences, _scalar_function
+from ._operator import AbstractOperator, as_operator
+from ._orthogonal import (
+    BREAKDOWN,
+    _in_dtype,  # pyright: ignore[reportPrivateUsage]
+    conj,
+    decompose,
+    next_vector,
+    working_dtype,
+)
+from ._typing import OperatorLike, StaticInt
+
+# The derivative rules the block methods offer, by their `adjoint=` names.
+BlockAdjoint = Literal["autodiff"]
+BLOCK_ADJOINTS: tuple[BlockAdjoint, ...] = ("autodiff",)
+
+
+class BlockLanczos(eqx.Module):
+    r"""The block Lanczos decomposition $A Q = Q T + R E_{d-1}^\top$ of
+    [`krylovjax.block_lanczos`][], with $T$ Hermitian and block tridiagonal.
+
+    **Fields:**
+
+    - `basis`: $Q$, `(n, d b)`, the blocks $Q_0, \dots, Q_{d-1}$ side by side;
+        orthonormal columns, zero columns where a column was deflated.
+    - `diagonal`: the diagonal blocks $\alpha_k = Q_k^H A Q_k$, `(d, b, b)`,
+        Hermitian.
+    - `off_diagonal`: the subdiagonal blocks $B_k = Q_{k+1}^H A Q_k$,
+        `(d - 1, b, b)`, upper triangular: $T_{k+1,k} = B_k$, $T_{k,k+1} = B_k^H$.
+    - `residual`: $R$, `(n, b)`.
+    - `factor`: $R_0$, `(b, b)`, upper triangular, with $X_0 = Q_0 R_0$.
+
+    `matrix()` returns the dense `(d b, d b)` matrix $T$.
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.diag(jnp.array([1.0, 2.0, 3.0, 4.0]))
+        >>> X0 = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+        >>> dec = krylovjax.block_lanczos(A, X0, 2)
+        >>> dec.matrix().shape, dec.factor
+        ((4, 4), Array([[1.4142135, 0.       ],
+               [0.       , 1.4142135]], dtype=float32))
+
+        ```
+    """
+
+    basis: Inexact[Array, "n m"]
+    diagonal: Inexact[Array, "d b b"]
+    off_diagonal: Inexact[Array, "e b b"]
+    residual: Inexact[Array, "n b"]
+    factor: Inexact[Array, "b b"]
+
+    def matrix(self) -> Inexact[Array, "*batch m m"]:
+        """The block tridiagonal matrix $T$, `(d b, d b)` (with any leading batch
+        axes of the fields, as after `jax.vmap`)."""
+        return jnp.vectorize(_block_tridiagonal, signature="(d,b,b),(e,b,b)->(m,m)")(
+            self.diagonal, self.off_diagonal
+        )
+
+
+class BlockArnoldi(eqx.Module):
+    r"""The block Arnoldi decomposition $A Q = Q H + R E_{d-1}^\top$ of
+    [`krylovjax.block_arnoldi`][], with $H$ block upper Hessenberg.
+
+    **Fields:**
+
+    - `basis`: $Q$, `(n, d b)`, orthonormal columns, zero columns where a column
+        was deflated.
+    - `hessenberg`: $H = Q^H A Q$, `(d b, d b)`; its subdiagonal blocks are upper
+        triangular, so it has $b$ subdiagonals.
+    - `residual`: $R$, `(n, b)`.
+    - `factor`: $R_0$, `(b, b)`, upper triangular, with $X_0 = Q_0 R_0$.
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+        >>> X0 = jnp.array([[1.0], [0.0], [0.0]])
+        >>> krylovjax.block_arnoldi(A, X0, 3).hessenberg
+        Array([[0., 0., 1.],
+               [1., 0., 0.],
+               [0., 1., 0.]], dtype=float32)
+
+        ```
+    """
+
+    basis: Inexact[Array, "n m"]
+    hessenberg: Inexact[Array, "m m"]
+    residual: Inexact[Array, "n b"]
+    factor: Inexact[Array, "b b"]
+
+
+def _block_tridiagonal(diagonal: Array, off: Array) -> Array:
+    d, b, _ = diagonal.shape
+    blocks = jnp.zeros((d, b, d, b), diagonal.dtype)
+    ks = np.arange(d)
+    blocks = blocks.at[ks, :, ks, :].set(diagonal).reshape(d * b, d * b)
+    lower = _subdiagonal(off)
+    return blocks + lower + conj(lower).T
+
+
+def block_lanczos(
+    A: OperatorLike,
+    X0: Inexact[Array | np.ndarray, "n b"],
+    d: StaticInt,
+    *,
+    reorthogonalize: bool = True,
+    adjoint: BlockAdjoint = "autodiff",
+) -> BlockLanczos:
+    r"""Block Lanczos for a symmetric (or Hermitian) $A$: an orthonormal basis $Q$
+    of the block Krylov space $\operatorname{span}\{X_0, A X_0, \dots, A^{d-1}
+    X_0\}$ and the block tridiagonal $T = Q^H A Q$.
+
+    The decomposition satisfies
+
+    $$A Q = Q T + R\, E_{d-1}^\top, \qquad Q^H Q = I, \qquad X_0 = Q_0 R_0,$$
+
+    ($E_{d-1}$ the last block column of the identity) with $T$ Hermitian, block
+    tridiagonal with $b \times b$ blocks, so that $f(A) X_0 \approx Q f(T) E_0 R_0$
+    and $\operatorname{tr}(X_0^H f(A) X_0) \approx \operatorname{tr}(R_0^H E_0^\top
+    f(T) E_0 R_0)$ (block Gauss quadrature). It is one `lax.scan` of $d$ products
+    of $A$ with a block of $b$ vectors. Columns of each new block are
+    orthonormalised one by one with the breakdown rule of [`krylovjax.lanczos`][]
+    (deflation, below); the maths is in the module docstring of
+    `krylovjax/_block.py`.
+
+    **Arguments:**
+
+    - `A`: a symmetric (real) or Hermitian (complex) operator, any kind
+        [`krylovjax.lanczos`][] accepts (a square array, a
+        `jax.experimental.sparse.BCOO` matrix, or a linear callable of one
+        vector). Symmetry is not checked.
+    - `X0`: the starting block, shape `(n, b)`, floating point or complex.
+    - `d`: the number of blocks, a static Python int, `1 <= d` and `d b <= n`.
+    - `reorthogonalize`: `True` (default): Gram-Schmidt twice, against the
+        whole basis (one extra block pass) and within each block, so $Q$ stays
+        orthonormal to rounding. `False`: the block three-term recurrence and one
+        pass within each block.
+    - `adjoint`: `"autodiff"`, the only rule offered: JAX differentiates the
+        `lax.scan` (exact derivatives in forward and reverse mode; reverse mode
+        stores the basis buffer at every step). There is no hand-written rule
+        for the block methods.
+
+    **Returns:**
+
+    A [`krylovjax.BlockLanczos`][] with `basis` $Q$ `(n, d b)`, `diagonal`
+    `(d, b, b)`, `off_diagonal` `(d - 1, b, b)`, `residual` $R$ `(n, b)` and
+    `factor` $R_0$ `(b, b)`; `matrix()` gives $T$.
+
+    **Deflation.** A column whose remainder after the orthogonalisation is at
+    most $100\,\varepsilon$ times its norm before it is zero in $Q$ and in its
+    row of $B_k$ (or of $R_0$), and stays zero in every later block: a repeated
+    or zero column of `X0`, or columns that span an invariant subspace, give zero
+    columns in `basis` and zero rows and columns in $T$. Values and derivatives
+    stay finite. With $d b = n$, no deflation and re-orthogonalisation, the
+    eigenvalues of $T$ are those of $A$ to rounding.
+
+    !!! Example
+
+        ```python
+        >>> import jax, jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.diag(jnp.array([1.0, 2.0, 3.0, 4.0]))
+        >>> X0 = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+        >>> dec = jax.jit(lambda A: krylovjax.block_lanczos(A, X0, 2))(A)
+        >>> jnp.round(jnp.linalg.eigvalsh(dec.matrix()), 4)
+        Array([1., 2., 3., 4.], dtype=float32)
+        >>> # d b = n: trace(T) = trace(A), so its gradient is the identity.
+        >>> def trace(A):
+        ...     return jnp.trace(krylovjax.block_lanczos(A, X0, 2).matrix())
+        >>> jnp.round(jax.grad(trace)(A), 4) + 0.0
+        Array([[1., 0., 0., 0.],
+               [0., 1., 0., 0.],
+               [0., 0., 1., 0.],
+               [0., 0., 0., 1.]], dtype=float32)
+
+        ```
+    """
+    operator, X0, d = check_block_problem(
+        A, X0, d, reorthogonalize, adjoint, "block_lanczos"
+    )
+    kinds = ("rows", "small", "small", "rows", "small")
+    Q, diagonal, off, R, R0 = decompose(
+        _lanczos_forward, operator, X0, d, bool(reorthogonalize), kinds
+    )
+    return BlockLanczos(Q.T, diagonal, off, R.T, R0)
+
+
+def block_arnoldi(
+    A: OperatorLike,
+    X0: Inexact[Array | np.ndarray, "n b"],
+    d: StaticInt,
+    *,
+    reorthogonalize: bool = True,
+    adjoint: BlockAdjoint = "autodiff",
+) -> BlockArnoldi:
+    r"""Block Arnoldi for any $A$: an orthonormal basis $Q$ of the block Krylov
+    space $\operatorname{span}\{X_0, A X_0, \dots, A^{d-1} X_0\}$ and the block
+    upper Hessenberg $H = Q^H A Q$.
+
+    The decomposition satisfies
+
+    $$A Q = Q H + R\, E_{d-1}^\top, \qquad Q^H Q = I, \qquad X_0 = Q_0 R_0,$$
+
+    so that $f(A) X_0 \approx Q f(H) E_0 R_0$. It is one `lax.scan` of $d$
+    products of $A$ with a block of $b$ vectors, each followed by block
+    Gram-Schmidt against the basis and column-by-column Gram-Schmidt within the
+    new block, with deflation as in [`krylovjax.block_lanczos`][].
+
+    **Arguments:**
+
+    - `A`: any operator [`krylovjax.arnoldi`][] accepts.
+    - `X0`: the starting block, shape `(n, b)`, floating point or complex.
+    - `d`: the number of blocks, a static Python int, `1 <= d` and `d b <= n`.
+    - `reorthogonalize`: `True` (default): Gram-Schmidt twice (against the basis
+        and within each block). `False`: once.
+    - `adjoint`: `"autodiff"`, the only rule offered: JAX differentiates the
+        `lax.scan`. There is no hand-written rule for the block methods.
+
+    **Returns:**
+
+    A [`krylovjax.BlockArnoldi`][] with `basis` $Q$ `(n, d b)`, `hessenberg` $H$
+    `(d b, d b)`, `residual` $R$ `(n, b)` and `factor` $R_0$ `(b, b)`.
+
+    !!! Example
+
+        ```python
+        >>> import jax, jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.array([[1.0, 2.0, 0.0], [0.0, 3.0, 1.0], [1.0, 0.0, 2.0]])
+        >>> X0 = jnp.eye(3)[:, :1]
+        >>> dec = krylovjax.block_arnoldi(A, X0, 3)
+        >>> # d b = n: H is similar to A.
+        >>> jnp.allclose(dec.basis @ dec.hessenberg @ dec.basis.T, A, atol=1e-5)
+        Array(True, dtype=bool)
+
+        ```
+    """
+    operator, X0, d = check_block_problem(
+        A, X0, d, reorthogonalize, adjoint, "block_arnoldi"
+    )
+    kinds = ("rows", "small", "rows", "small")
+    Q, H, R, R0 = decompose(
+        _arnoldi_forward, operator, X0, d, bool(reorthogonalize), kinds
+    )
+    return BlockArnoldi(Q.T, H, R.T, R0)
+
+
+def check_block_problem(
+    A: Any,
+    X0: Any,
+    d: Any,
+    reorthogonalize: Any,
+    adjoint: Any,
+    fn_name: str,
+    block: str = "X0",
+) -> tuple[AbstractOperator, Array, int]:
+    """Check the arguments of a block method (whose starting block is called
+    `block`); return the operator (in its working dtype), the block in the
+    problem's dtype, and `d`."""
+    if not isinstance(reorthogonalize, bool | np.bool_):
+        msg = (
+            f"`{fn_name}(reorthogonalize=...)` must be a bool; got "
+            f"{reorthogonalize!r} of type {type(reorthogonalize).__name__}."
+        )
+        raise TypeError(msg)
+    if adjoint == "custom_jvp":
+        msg = (
+            f"`{fn_name}(adjoint=...)` must be 'autodiff'; got 'custom_jvp', which "
+            f"the block methods do not offer (JAX differentiates their scan)."
+        )
+        raise ValueError(msg)
+    check_choice(adjoint, BLOCK_ADJOINTS, f"{fn_name}(adjoint=...)")
+    d = check_depth(d, fn_name)
+    X0 = as_array(X0, f"{fn_name}({block}=...)")
+    if X0.ndim != 2:
+        msg = f"`{fn_name}({block}=...)` must have shape (n, b); got shape {X0.shape}."
+        raise ValueError(msg)
+    n, b = X0.shape
+    if b == 0 or n == 0:
+        msg = (
+            f"`{fn_name}({block}=...)` must have at least one row and one column; "
+            f"got shape {X0.shape}."
+        )
+        raise ValueError(msg)
+    check_output_size(d * b, [X0[:, 0]], fn_name)
+    if d * b > n:
+        msg = (
+            f"`{fn_name}(d=...)` must satisfy d b <= n = {n} (an orthonormal basis "
+            f"of length-{n} vectors has at most {n} of them), with b = {b} the "
+            f"columns of `{block}`; got d = {d}."
+        )
+        raise ValueError(msg)
+    # The operator is checked against one column: a callable maps vectors.
+    operator, x0 = as_operator(A, X0[:, 0], fn_name, block)
+    X0 = X0.astype(x0.dtype)
+    return _in_dtype(operator, working_dtype(X0.dtype)), X0, d
+
+
+# ------------------------------------------------------------------ the scans
+
+
+def _project(Q: Array, W: Array) -> Array:
+    r"""$Q^H W$ for a basis and a block both stored as rows: `(m, b)`."""
+    return conj(Q) @ W.T
+
+
+def _subtract(W: Array, Q: Array, C: Array) -> Array:
+    r"""$W - Q C$ in rows: `W - C.T @ Q`."""
+    return W - C.T @ Q
+
+
+def _columns(W: Array, scale: Array, passes: int) -> tuple[Array, Array]:
+    r"""The columns (rows of `W`, `(b, n)`) made orthonormal one by one, each
+    against the ones before it `passes` times and then normalised with the
+    breakdown rule against `scale` (the rows before any orthogonalisation):
+    the new rows $Q$ and the upper triangular $B$ with $W = Q B$ (in columns),
+    up to the remainders of deflated columns, whose rows of $Q$ and $B$ are
+    zero."""
+    b = W.shape[0]
+    Q = jnp.zeros_like(W)
+    B = jnp.zeros((b, b), W.dtype)
+
+    def column(carry, j):
+        Q, B = carry
+        w = W[j]
+        coefficients = jnp.zeros((b,), W.dtype)
+        for _ in range(passes):
+            # Rows j, j + 1, ... of Q are still zero.
+            c = conj(Q) @ w
+            w = w - c @ Q
+            coefficients = coefficients + c
+        beta, q = next_vector(w, scale[j])
+        B = B.at[:, j].set(coefficients.at[j].set(beta.astype(W.dtype)))
+        return (Q.at[j].set(q), B), None
+
+    (Q, B), _ = lax.scan(column, (Q, B), jnp.arange(b))
+    return Q, B
+
+
+def _lanczos_forward(operator, X0, d, reorth, stop=None):
+    """The basis as rows `(d b, n)`, the diagonal and subdiagonal blocks, the
+    residual as rows `(b, n)` and $R_0$, by one scan."""
+    del stop
+    n, b = X0.shape
+    passes = 2 if reorth else 1
+    X = X0.T
+    Q0, R0 = _columns(X, X, passes)
+    Q = jnp.zeros((d * b, n), X.dtype).at[:b].set(Q0)
+
+    def step(carry, k):
+        Q, B_prev, Q_prev = carry
+        Qk = lax.dynamic_slice_in_dim(Q, k * b, b)
+        U = operator.mm(Qk)
+        W = _subtract(U, Q_prev, conj(B_prev).T)
+        alpha = _project(Qk, W)
+        alpha = (alpha + conj(alpha).T) / 2
+        W = _subtract(W, Qk, alpha)
+        if reorth:
+            W = _subtract(W, Q, _project(Q, W))
+        Q_next, B = _columns(W, U, passes)
+        rows = (k + 1) * b + jnp.arange(b)
+        Q = Q.at[rows].set(Q_next, mode="drop")
+        return (Q, B, Qk), (alpha, B, W)
+
+    zero = jnp.zeros((b, b), X.dtype)
+    carry = (Q, zero, jnp.zeros_like(X))
+    (Q, _, _), (alpha, B, W) = lax.scan(step, carry, jnp.arange(d))
+    return Q, alpha, B[:-1], W[-1], R0
+
+
+def _arnoldi_forward(operator, X0, d, reorth, stop=None):
+    """The basis as rows `(d b, n)`, $H$, the residual as rows `(b, n)` and $R_0$,
+    by one scan."""
+    del stop
+    n, b = X0.shape
+    passes = 2 if reorth else 1
+    X = X0.T
+    Q0, R0 = _columns(X, X, passes)
+    Q = jnp.zeros((d * b, n), X.dtype).at[:b].set(Q0)
+
+    def step(Q, k):
+        U = operator.mm(lax.dynamic_slice_in_dim(Q, k * b, b))
+        W, column = U, jnp.zeros((d * b, b), X.dtype)
+        for _ in range(passes):
+            # Rows (k + 1) b onwards of Q are zero: `column` is zero there.
+            C = _project(Q, W)
+            W = _subtract(W, Q, C)
+            column = column + C
+        Q_next, B = _columns(W, U, passes)
+        rows = (k + 1) * b + jnp.arange(b)
+        return Q.at[rows].set(Q_next, mode="drop"), (column, B, W)
+
+    Q, (columns, B, W) = lax.scan(step, Q, jnp.arange(d))
+    # Block column k of H is columns[k] above the diagonal and B[k] below it.
+    H = jnp.transpose(columns, (1, 0, 2)).reshape(d * b, d * b)
+    H = H + _subdiagonal(B[:-1])
+    return Q, H, W[-1], R0
+
+
+def _subdiagonal(B: Array) -> Array:
+    """The `(d b, d b)` matrix with the `(d - 1, b, b)` blocks `B` on its first
+    block subdiagonal, zero elsewhere."""
+    e, b, _ = B.shape
+    d = e + 1
+    blocks = jnp.zeros((d, b, d, b), B.dtype)
+    ks = np.arange(e)
+    blocks = blocks.at[ks + 1, :, ks, :].set(B)
+    return blocks.reshape(d * b, d * b)
+
+
+# -------------------------------------------------------------- the quadrature
+
+
+def block_funm_action(
+    f: Callable[[Array], Array],
+    A: OperatorLike,
+    B: Inexact[Array | np.ndarray, "n b"],
+    d: StaticInt,
+    *,
+    reorthogonalize: bool = True,
+) -> Inexact[Array, "n b"]:
+    r"""$f(A)\, B \approx Q f(T) E_0 R_0$ from [`krylovjax.block_lanczos`][] of $A$
+    (symmetric or Hermitian) and $B$, with $f$ a scalar function applied to the
+    eigenvalues of $T$: exact (to rounding) for $d b = n$ and for a polynomial
+    $f$ of degree below $d$. Differentiable in forward and reverse mode: JAX's
+    rules through the decomposition, and a Daleckii-Krein rule for $f(T)$ that
+    stays finite at the repeated eigenvalues a deflation leaves.
+
+    **Arguments:**
+
+    - `f`: a scalar function, applied elementwise to the `(d b,)` eigenvalues of
+        $T$ (`jnp.exp`, `jnp.log`, a closure over arrays, which are
+        differentiated too).
+    - `A`: a symmetric or Hermitian operator, as for [`krylovjax.block_lanczos`][].
+    - `B`: the block, `(n, b)`.
+    - `d`: the number of blocks, `d b <= n`.
+    - `reorthogonalize`: as for [`krylovjax.block_lanczos`][].
+
+    **Returns:**
+
+    $f(A) B$, `(n, b)`, in the problem's dtype.
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp
+        >>> from krylovjax._block import block_funm_action
+        >>> A = jnp.diag(jnp.array([1.0, 2.0, 3.0, 4.0]))
+        >>> B = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+        >>> jnp.round(block_funm_action(jnp.sqrt, A, B, 2), 4) + 0.0
+        Array([[1.    , 0.    ],
+               [0.    , 1.4142],
+               [1.7321, 0.    ],
+               [0.    , 2.    ]], dtype=float32)
+
+        ```
+    """
+    Q, T, C, dtype = _quadrature_setup(
+        f, A, B, d, reorthogonalize, "block_funm_action", "B"
+    )
+    fn = _scalar_function(f, jnp.zeros((T.shape[0],), jnp.finfo(T.dtype).dtype), "f")
+    Y = _funm_columns(fn, T, C)
+    return (Q @ Y.astype(Q.dtype)).astype(dtype)
+
+
+def block_trace_quadrature(
+    f: Callable[[Array], Array],
+    A: OperatorLike,
+    Z: Inexact[Array | np.ndarray, "n b"],
+    d: StaticInt,
+    *,
+    reorthogonalize: bool = True,
+) -> Array:
+    r"""$\operatorname{tr}(Z^H f(A) Z) \approx \operatorname{tr}(R_0^H E_0^\top f(T)
+    E_0 R_0)$, block Gauss quadrature from [`krylovjax.block_lanczos`][] of $A$
+    (symmetric or Hermitian) and the probes $Z$; a real scalar for a real $f$.
+    With $Z$ of independent Rademacher or Gaussian columns divided by
+    $\sqrt{b}$, an estimate of $\operatorname{tr} f(A)$.
+
+    !!! Example
+
+        ```python
+        >>> import jax.numpy as jnp
+        >>> from krylovjax._block import block_trace_quadrature
+        >>> A = jnp.diag(jnp.array([1.0, 2.0, 3.0, 4.0]))
+        >>> block_trace_quadrature(jnp.log, A, jnp.eye(4)[:, :2], 2)
+        Array(0.6931472, dtype=float32)
+
+        ```
+    """
+    _, T, C, dtype = _quadrature_setup(
+        f, A, Z, d, reorthogonalize, "block_trace_quadrature", "Z"
+    )
+    fn = _scalar_function(f, jnp.zeros((T.shape[0],), jnp.finfo(T.dtype).dtype), "f")
+    Y = _funm_columns(fn, T, C)
+    out = jnp.sum(conj(C).astype(Y.dtype) * Y)
+    if not jnp.iscomplexobj(fn(jnp.diagonal(T).real)):
+        # tr(C^H f(T) C) is real for a Hermitian T and a real f.
+        out = jnp.real(out)
+    real = jnp.finfo(dtype).dtype
+    return out.astype(dtype if jnp.iscomplexobj(out) else real)
+
+
+def _quadrature_setup(f, A, B, d, reorthogonalize, fn_name, block):
+    """The basis, $T$, $E_0 R_0$ (in the working dtype) and the problem's dtype."""
+    _check_callable(f, f"{fn_name}(f=...)")
+    operator, B, d = check_block_problem(
+        A, B, d, reorthogonalize, "autodiff", fn_name, block
+    )
+    kinds = ("rows", "small", "small", "rows", "small")
+    Q, diagonal, off, _, R0 = decompose(
+        _lanczos_forward,
+        operator,
+        B,
+        d,
+        bool(reorthogonalize),
+        kinds,
+        rounded=False,
+    )
+    T = _block_tridiagonal(diagonal, off)
+    C = jnp.zeros((T.shape[0], R0.shape[0]), R0.dtype).at[: R0.shape[0]].set(R0)
+    return Q.T, T, C, B.dtype
+
+
+@eqx.filter_custom_jvp
+def _funm_columns(fn: Callable, T: Array, C: Array) -> Array:
+    r"""$f(T)\, C$ for a Hermitian $T$, by `eigh`, with what $C$ does not see
+    moved (`_eigh_seen`)."""
+    lam, V = _eigh_seen(T, C)
+    values = fn(lam)
+    Vc = V.astype(_common(values, V))
+    return Vc @ (values.astype(Vc.dtype)[:, None] * (conj(Vc).T @ C.astype(Vc.dtype)))
+
+
+def _common(values: Array, V: Array) -> Any:
+    return jnp.result_type(values.dtype, V.dtype)
+
+
+def _eigh_seen(T: Array, C: Array) -> tuple[Array, Array]:
+    r"""Eigenvalues and eigenvectors of $T$, with the eigenvalues whose
+    eigenvectors $C$ does not see ($\|v_i^H C\| \le$ `BREAKDOWN` $\varepsilon
+    \|C\|$, as the zero rows and columns of deflated columns: `eigh` mixes the
+    eigenvectors of such a repeated eigenvalue to rounding) replaced by the
+    visible one of largest weight, as `_funm._eigh` does."""
+    lam, V = jnp.linalg.eigh(T)
+    weights = jnp.sqrt(jnp.sum(jnp.abs(conj(V).T @ C) ** 2, axis=1))
+    weights = lax.stop_gradient(weights)
+    size = lax.stop_gradient(jnp.sqrt(jnp.sum(jnp.abs(C) ** 2)))
+    hidden = weights <= BREAKDOWN * jnp.finfo(lam.dtype).eps * size
+    seen = lam[jnp.argmax(weights)]
+    return jnp.where(hidden, seen, lam), V
+
+
+@_funm_columns.def_jvp
+def _funm_columns_jvp(primals, tangents):
+    fn, T, C = primals
+    t_fn, t_T, t_C = tangents
+    lam, V = _eigh_seen(T, C)
+    values, derivatives = jax.jvp(fn, (lam,), (jnp.ones_like(lam),))
+    dtype = _common(values, V)
+    Vc, vc = V.astype(dtype), values.astype(dtype)
+    G = conj(Vc).T @ C.astype(dtype)
+    out = Vc @ (vc[:, None] * G)
+    # d(f(T) C) = V (F o (V^H dT V)) V^H C + V diag(df) V^H C + f(T) dC.
+    terms = jnp.zeros_like(G)
+    if t_T is not None:
+        dT = (t_T + conj(t_T).T) / 2
+        E = conj(Vc).T @ dT.astype(dtype) @ Vc
+        F = _divided_differences(lam, values, derivatives).astype(dtype)
+        terms = terms + (F * E) @ G
+    if t_C is not None:
+        terms = terms + vc[:, None] * (conj(Vc).T @ t_C.astype(dtype))
+    dvalues = _function_tangent(fn, t_fn, lam)
+    if dvalues is not None:
+        terms = terms + dvalues.astype(dtype)[:, None] * G
+    return out, Vc @ terms
+
+
+def _function_tangent(fn: Callable, t_fn: Any, lam: Array) -> Array | None:
+    """The tangent of `fn(lam)` from the tangents of the leaves `fn` holds (what it
+    closes over), or `None` when none has one."""
+    leaves, treedef = jtu.tree_flatten(fn)
+    t_leaves = treedef.flatten_up_to(t_fn)
+    wanted = {
+        i: jnp.asarray(p)
+        for i, (p, t) in enumerate(zip(leaves, t_leaves, strict=True))
+        if t is not None
+    }
+    if not wanted:
+        return None
+
+    def fn_of(diff):
+        new = [diff.get(i, leaf) for i, leaf in enumerate(leaves)]
+        return jtu.tree_unflatten(treedef, new)(lam)
+
+    t_wanted = {i: jnp.asarray(t_leaves[i], p.dtype) for i, p in wanted.items()}
+    _, dvalues = jax.jvp(fn_of, (wanted,), (t_wanted,))
+    return dvalues
