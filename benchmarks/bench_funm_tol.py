@@ -175,18 +175,25 @@ def run_problem(problem, d, tols, quick):
             calls = [
                 h.ready(jax.jit(with_tol), (A, b)),
                 h.ready(jax.jit(lambda A, b: fixed(A, b, d)), (A, b)),
-                h.ready(jax.jit(lambda A, b: fixed(A, b, smallest)), (A, b)),
-                h.ready(jax.jit(jax.value_and_grad(loss_tol, (0, 1))), (A, b)),
+                h.ready(jax.jit(lambda A, b, k=smallest: fixed(A, b, k)), (A, b)),
+                h.ready(
+                    jax.jit(jax.value_and_grad(loss_tol, (0, 1), allow_int=True)),
+                    (A, b),
+                ),
                 h.ready(
                     jax.jit(
-                        jax.value_and_grad(lambda A, b: loss_fixed(A, b, d), (0, 1))
+                        jax.value_and_grad(
+                            lambda A, b: loss_fixed(A, b, d), (0, 1), allow_int=True
+                        )
                     ),
                     (A, b),
                 ),
                 h.ready(
                     jax.jit(
                         jax.value_and_grad(
-                            lambda A, b: loss_fixed(A, b, smallest), (0, 1)
+                            lambda A, b, k=smallest: loss_fixed(A, b, k),
+                            (0, 1),
+                            allow_int=True,
                         )
                     ),
                     (A, b),
@@ -247,7 +254,8 @@ def main():
             s = result["scipy"]
             lines += [
                 f"SciPy `expm_multiply`: {s['products']} products (norm estimates "
-                f"included), relative error {s['error']:.1e}, {s['seconds'] * 1e3:.0f} ms.",
+                f"included), relative error {s['error']:.1e}, "
+                f"{s['seconds'] * 1e3:.0f} ms.",
                 "",
             ]
         timed = [r for r in result["rows"] if "times" in r]

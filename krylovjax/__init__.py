@@ -31,7 +31,7 @@ from ._readout import (
     polynomial_action as polynomial_action,
 )
 from ._spectrum import spectrum_interval as spectrum_interval
-from ._trace import trace_funm as trace_funm
+from ._trace import TraceInfo as TraceInfo, trace_funm as trace_funm
 from ._typing import OperatorLike as OperatorLike, StaticInt as StaticInt
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "PartitionedOperator",
     "StaticInt",
     "ThreeTerm",
+    "TraceInfo",
     "arnoldi",
     "auto_method",
     "block_arnoldi",

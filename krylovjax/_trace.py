@@ -1,21 +1,49 @@
 r"""`trace_funm`: stochastic estimates of $\operatorname{tr} f(A)$, from Lanczos
-quadrature.
+quadrature, by three estimators.
 
-$\operatorname{tr} f(A) \approx \frac1m \sum_i \|z_i\|^2\, e_0^\top f(T_i)\, e_0$:
-Hutchinson probes $z_i$ with Lanczos quadrature, the probes batched by `jax.vmap`.
-The quadrature and its derivative rule are those of `funm_action` (`_funm.py`).
+- Hutchinson: $\frac1m \sum_i \|z_i\|^2\, e_0^\top f(T_i)\, e_0$, probes $z_i$
+  with Lanczos quadrature, the probes batched by `jax.vmap`.
+- Hutch++ (Meyer, Musco, Musco and Woodruff, 2021) applied to $f(A)$: $Q$ an
+  orthonormal basis of $f(A)\, S$ for a Gaussian sketch $S$ (Lanczos actions),
+  $\operatorname{tr}(Q^\top f(A)\, Q)$ by one quadrature per column, and Hutchinson
+  on the rest, $(I - QQ^\top) f(A) (I - QQ^\top)$.
+- Krylov-aware (Chen and Hallman, 2023): $Q$ an orthonormal basis of the first
+  blocks of the block Krylov space of $A$ itself from a Gaussian $\Omega$,
+  $\operatorname{tr}(Q^\top f(A)\, Q) \approx \operatorname{tr}(E^\top f(\mathcal
+  T)\, E)$ from the projection $\mathcal T$ of $A$ onto the whole space
+  (`_head_trace`), and Hutchinson on the rest, with probes projected onto the
+  complement of $Q$ (and by default rescaled onto its sphere, which removes the
+  variance of a constant part of $f(A)$ there).
+
+The quadratures and their derivative rule are those of `funm_action` (`_funm.py`).
+Bases are orthonormalised one vector at a time (`_orthonormal_rows`): a vector of
+which less than $\sqrt\varepsilon$ of its length remains is replaced by zero, with
+zero derivative, so a rank-deficient sketch ($A = cI$, $n$ smaller than the
+sketch) gives zero rows instead of the unbounded derivative of a QR factorisation
+with a singular $R$. The small eigenproblem of $\mathcal T$ is differentiated by
+the Daleckii--Krein formula, as `_funm_e0` is:
+
+$$\mathrm{d} \operatorname{tr}(H f(\mathcal T)) = \sum_{ij} F_{ij}\,
+  (V^\top \mathrm{d}\mathcal T\, V)_{ij}\, (V^\top H V)_{ij}
+  + \sum_i \partial_\theta f(\lambda_i)\, (V^\top H V)_{ii},$$
+
+with $\mathcal T = V \Lambda V^\top$, $H$ the diagonal 0/1 mask of the columns of
+$Q$ and $F_{ij} = f[\lambda_i, \lambda_j]$ the divided differences, finite at
+repeated eigenvalues.
 """
 
 from collections.abc import Callable
 from typing import Any, Literal
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 from jax.experimental import sparse
-from jaxtyping import Array, Inexact, PRNGKeyArray
+from jaxtyping import Array, Inexact, Int, PRNGKeyArray, Real
 
 from ._checks import (
     as_array,
@@ -29,16 +57,63 @@ from ._checks import (
 )
 from ._funm import (
     _check_callable,
+    _divided_differences,
     _funm_e0,
     _result_dtype,
     _scalar_function,
     _working_dtype,
 )
 from ._lanczos import lanczos_in_working_dtype
+from ._operator import AbstractOperator
 from ._orthogonal import Adjoint, check_problem
 from ._typing import OperatorLike, StaticInt
 
 SAMPLERS = ("rademacher", "normal", "sphere")
+ESTIMATORS = ("hutchinson", "hutch++", "krylov-aware")
+
+
+class TraceInfo(eqx.Module):
+    r"""What [`krylovjax.trace_funm`][] returns beside its estimate with
+    `return_info=True`.
+
+    **Fields:**
+
+    - `standard_error`: the estimated standard error of the estimate, from the
+        drawn probes: $s / \sqrt{m'}$, with $s$ the sample standard deviation
+        (divisor $m' - 1$) of the $m'$ independent quadratic forms the estimate
+        averages, `inf` when $m' = 1$. For `"hutchinson"` these are all
+        `num_probes` probes; for `"hutch++"` and `"krylov-aware"` the probes of
+        the remainder, so it is the standard error given the sketch (the
+        deflated trace $\operatorname{tr}(Q^\top f(A) Q)$ counts as fixed), which is
+        what the probes can measure. It estimates the noise of the probes around
+        the quadratures' expectation, not the quadrature bias, and carries no
+        derivative (`jax.lax.stop_gradient`).
+    - `rank`: the number of orthonormal directions deflated, an int array: 0 for
+        `"hutchinson"`, the rank of the sketch's basis $Q$ otherwise (below the
+        sketch's size when it is rank-deficient).
+    - `num_products`: the products with $A$ the estimate used, a Python int:
+        `num_probes * d` for every estimator.
+
+    !!! Example
+
+        ```python
+        >>> import jax, jax.numpy as jnp
+        >>> import krylovjax
+        >>> A = jnp.diag(jnp.arange(1.0, 5.0))
+        >>> est, info = krylovjax.trace_funm(
+        ...     jnp.log, A, jax.random.key(0), 4, num_probes=8, return_info=True
+        ... )
+        >>> info.num_products, int(info.rank)
+        (32, 0)
+        >>> bool(info.standard_error < 1e-5)  # diagonal A, signs: no variance
+        True
+
+        ```
+    """
+
+    standard_error: Real[Array, ""]
+    rank: Int[Array, ""]
+    num_products: int = eqx.field(static=True)
 
 
 def trace_funm(
@@ -48,16 +123,20 @@ def trace_funm(
     d: StaticInt,
     *,
     num_probes: StaticInt,
-    sampler: Literal["rademacher", "normal", "sphere"] = "rademacher",
+    estimator: Literal["hutchinson", "hutch++", "krylov-aware"] = "hutchinson",
+    num_sketch: StaticInt | None = None,
+    sampler: Literal["rademacher", "normal", "sphere"] | None = None,
     like: Inexact[Array | np.ndarray, " n"] | jax.ShapeDtypeStruct | None = None,
     reorthogonalize: bool = True,
     adjoint: Adjoint = "custom_jvp",
-) -> Inexact[Array, ""]:
+    return_info: bool = False,
+) -> Inexact[Array, ""] | tuple[Inexact[Array, ""], TraceInfo]:
     r"""A stochastic estimate of $\operatorname{tr} f(A)$ for symmetric or
-    Hermitian $A$: Hutchinson probes with Lanczos quadrature.
+    Hermitian $A$: random probes with Lanczos quadrature, optionally deflated.
 
-    With $m$ probes $z_i$ drawn so that $\mathbb E[z z^\top] = I$, and $T_i$ the
-    tridiagonal matrix of $d$ Lanczos steps from $z_i$,
+    **Hutchinson** (`estimator="hutchinson"`, the default). With $m$ probes $z_i$
+    drawn so that $\mathbb E[z z^\top] = I$, and $T_i$ the tridiagonal matrix of
+    $d$ Lanczos steps from $z_i$,
 
     $$\operatorname{tr} f(A) = \mathbb E[z^\top f(A)\, z]
       \approx \frac1m \sum_{i=1}^m \|z_i\|^2\, e_0^\top f(T_i)\, e_0 .$$
@@ -68,64 +147,122 @@ def trace_funm(
     of $n \times d$ (split a large $m$ over several calls with different keys and
     average).
 
-    **Variance.** For fixed quadrature, the estimate is a mean of $m$ independent
-    terms. With $M = f(A)$ real symmetric, one term's variance is
+    **Hutch++** (`"hutch++"`; Meyer, Musco, Musco and Woodruff, 2021), applied to
+    $f(A)$. The budget of $m$ actions is split as in the paper: $k$ =
+    `num_sketch` (default $\lfloor m/3 \rfloor$) Gaussian vectors $S$, $Q$ an
+    orthonormal basis of $f(A)\, S$ ($k$ Lanczos actions
+    $f(A) s \approx \|s\| Q_s f(T_s) e_0$), $\operatorname{tr}(Q^\top f(A) Q)$ by
+    one quadrature per column of $Q$ ($k$ more), and Hutchinson with the other
+    $m - 2k$ probes, projected, $w = (I - QQ^\top) z$, on the remainder:
+
+    $$\operatorname{tr} f(A) \approx \operatorname{tr}(Q^\top f(A)\, Q)
+      + \frac{1}{m - 2k} \sum_i w_i^\top f(A)\, w_i .$$
+
+    It wins when $f(A)$ itself has a few large eigenvalues.
+
+    **Krylov-aware** (`"krylov-aware"`; Chen and Hallman, 2023). $Q$ spans the
+    first $\lceil d/2 \rceil$ blocks of the block Krylov space
+    $[\Omega, A\Omega, \dots, A^{d-1}\Omega]$ of $A$ itself, from $b$ =
+    `num_sketch` (default $\lfloor m/2 \rfloor$) Gaussian columns $\Omega$; with
+    $\mathcal T$ the projection of $A$ onto the whole space and $E$ the columns of
+    $Q$ in it, $\operatorname{tr}(Q^\top f(A) Q) \approx \operatorname{tr}(E^\top
+    f(\mathcal T)\, E)$ at no further products ($b d$ in all), and the other
+    $m - b$ probes estimate the remainder, projected onto the complement of $Q$
+    and by default (`sampler="sphere"`) rescaled to norm $\sqrt{n - r}$, $r$ the
+    rank of $Q$: uniform on the sphere of that complement, so a part of $f(A)$
+    that is constant there adds no variance (projected Rademacher probes would
+    see $c(I - QQ^\top)$ with variance $\approx 2c^2 r$). This is the estimator
+    for $\log\det(K + \sigma^2 I)$ with a kernel matrix $K$: the eigenvalues of
+    $f(A)$ do not decay (the bulk sits at $\log\sigma^2$), so a sketch of $f(A)$
+    (Hutch++) captures little, while the top eigenvectors of $A$, which a block
+    Krylov space of $A$ finds, carry the variance of $\log(I + K/\sigma^2)$; what
+    is left is nearly constant on the complement. The docs' page on bases and
+    matrix functions has measured numbers.
+
+    All three cost `num_probes * d` products with $A$.
+
+    **Variance.** For fixed quadrature, the Hutchinson estimate is a mean of $m$
+    independent terms. With $M = f(A)$ real symmetric, one term's variance is
     $2 \sum_{i \ne j} M_{ij}^2 = 2(\|M\|_F^2 - \sum_i M_{ii}^2)$ for Rademacher
     probes, $2\|M\|_F^2$ for Gaussian probes, and
     $\frac{2n}{n+2}(\|M\|_F^2 - (\operatorname{tr} M)^2/n)$ for probes on the
     sphere of radius $\sqrt n$; divide by $m$ for the estimate's. (For complex
-    Hermitian $A$ the probes are real, and $M$ is replaced by its real part.) The
-    standard error thus falls like $1/\sqrt m$; it is small relative to the trace
-    when $f(A)$ is dominated by its diagonal, and large when, say, $f(A)$ has a few
-    large eigenvalues with delocalised eigenvectors.
+    Hermitian $A$ the probes are real, and $M$ is replaced by its real part.) For
+    the deflated estimators $M$ is replaced by $P M P$, $P = I - QQ^\top$, and the
+    sphere is that of the range of $P$ (dimension $n - r$). With `return_info` the
+    standard error is estimated from the drawn probes ([`krylovjax.TraceInfo`][]).
 
-    **Bias.** The Hutchinson estimate is unbiased; the quadrature is not. Each
-    quadrature is exact for polynomials of degree $2d - 1$, so its error is at most
+    **Bias.** Hutchinson's estimator is unbiased for the quadratures, and so are
+    the remainders of the deflated ones given $Q$ (so the whole estimate, $Q$ being
+    independent of their probes); the quadratures are not. Each quadrature is
+    exact for polynomials of degree $2d - 1$, so its error is at most
     $2\|z_i\|^2 \min_p \max_{\lambda} |f(\lambda) - p(\lambda)|$ over such $p$ on
     $[\lambda_{\min}, \lambda_{\max}]$ (exact arithmetic): for $\log$ of an SPD
     matrix with condition number $\kappa$ it falls like
     $((\sqrt\kappa - 1)/(\sqrt\kappa + 1))^{2d}$. It is exact when $d$ reaches the
-    number of distinct eigenvalues. The gradient is the exact gradient of the
-    estimate for the drawn probes, so its expectation is the gradient of
-    $\operatorname{tr} f(A)$ plus the gradient of the quadrature bias: for training
-    (`log det` of a kernel matrix, say) it is unbiased up to that, and its noise is
-    that of a fresh key per step.
+    number of distinct eigenvalues; the deflated trace of `"krylov-aware"` is exact
+    when the block Krylov space is invariant (a low-rank-plus-identity $A$ with
+    $b$ at least the rank, say). The gradient is the exact gradient of the
+    estimate for the drawn probes, $Q$'s dependence on $A$ included, so its
+    expectation is the gradient of $\operatorname{tr} f(A)$ plus the gradient of
+    the quadrature bias: for training (`log det` of a kernel matrix, say) it is
+    unbiased up to that, and its noise is that of a fresh key per step.
 
     **Arguments:**
 
     - `f`: a scalar function applied elementwise to eigenvalues, as with
         `funm_action(..., method="lanczos")`: called on the `(d,)` real eigenvalues
-        of each $T_i$, it returns `(d,)` values. It may close over arrays.
+        of each $T_i$ (and for `"krylov-aware"` on the `(b d,)` ones of
+        $\mathcal T$), it returns values of the same shape. It may close over
+        arrays.
     - `A`: a symmetric (real) or Hermitian (complex) operator of any kind
-        [`krylovjax.krylov`][] accepts (not checked).
-    - `key`: a JAX PRNG key. The probes are
+        [`krylovjax.krylov`][] accepts (not checked). `"hutch++"` and
+        `"krylov-aware"` take real float32 or float64 operators only.
+    - `key`: a JAX PRNG key. The Hutchinson probes are
         `jax.random.rademacher(key, (num_probes, n), dtype)` (`sampler="rademacher"`)
         or `jax.random.normal(key, (num_probes, n), dtype)` (`"normal"`, and
         `"sphere"`, which rescales each row to norm $\sqrt n$), with `dtype` the
-        real dtype of the operator, so the same key gives the same probes.
+        real dtype of the operator, so the same key gives the same probes. The
+        deflated estimators split the key in two, for the sketch and for the
+        remainder.
     - `d`: the number of Lanczos steps per probe, a static Python int,
-        `1 <= d <= n`.
-    - `num_probes`: the number $m$ of probes, a static Python `int >= 1`. The $m$
-        bases are built at once: a batch that does not fit in memory raises a
-        `ValueError` naming `num_probes` before anything runs.
-    - `sampler`: the probe distribution, `"rademacher"` (default; entries $\pm 1$,
-        the smallest variance of the three for most $f(A)$), `"normal"` or
-        `"sphere"` (normalised Gaussian).
+        `1 <= d <= n`; for `"krylov-aware"` also the number of blocks of the
+        block Krylov space.
+    - `num_probes`: the number $m$ of vectors, a static Python `int >= 1`
+        (`>= 2` for `"krylov-aware"`): the estimate uses $m d$ products with $A$.
+        The $m$ bases are built at once: a batch that does not fit in memory raises
+        a `ValueError` naming `num_probes` before anything runs.
+    - `estimator`: `"hutchinson"` (default), `"hutch++"` or `"krylov-aware"`,
+        above.
+    - `num_sketch`: the sketch's size, a static int: $k$ for `"hutch++"`
+        (`0 <= k`, $m - 2k \ge 1$; default $\lfloor m/3 \rfloor$), $b$ for
+        `"krylov-aware"` (`1 <= b < m`; default $\lfloor m/2 \rfloor$). Not
+        accepted with `"hutchinson"`.
+    - `sampler`: the probe distribution, `"rademacher"` (entries $\pm 1$, the
+        smallest variance of the three for most $f(A)$; the default of
+        `"hutchinson"` and `"hutch++"`), `"normal"` or `"sphere"` (normalised
+        Gaussian; the default of `"krylov-aware"`, where it is normalised after the
+        projection).
     - `like`: an array or `jax.ShapeDtypeStruct` of shape `(n,)` whose dtype the
         probes are promoted with, as `x0` is in [`krylovjax.krylov`][]. Required
         when `A` is a callable (which does not say its size); for a matrix the
         default is its own dtype.
     - `reorthogonalize`, `adjoint`: passed on to [`krylovjax.lanczos`][].
+        (`adjoint="autodiff"` differentiates the whole estimate by JAX's rules,
+        the small eigenproblems by `_funm`'s rule still.)
+    - `return_info`: also return a [`krylovjax.TraceInfo`][] (standard error,
+        rank of the sketch, products used).
 
     **Returns:**
 
     The estimate, a scalar of $f$'s dtype promoted with the real dtype of $A$:
-    real for a real-valued $f$. For bfloat16 and float16 operators the quadratures
+    real for a real-valued $f$; with `return_info=True`, the pair
+    `(estimate, info)`. For bfloat16 and float16 operators the quadratures
     are worked in float32 (`f` is called on float32 eigenvalues) and a real
     estimate is rounded to the operator's dtype at the end. Differentiable (forward
     and reverse mode) in the arrays `A` holds and those `f` closes over, also when
     a probe's Krylov space is invariant after fewer than $d$ vectors (see
-    `funm_action`'s breakdown rule).
+    `funm_action`'s breakdown rule) and when a sketch is rank-deficient.
 
     !!! Example
 
@@ -141,6 +278,16 @@ def trace_funm(
         True
         >>> jnp.round(jnp.diag(grad), 4)  # the diagonal of A^{-1}
         Array([1.    , 0.5   , 0.3333, 0.25  ], dtype=float32)
+        >>> U = jax.random.normal(key, (30, 2))
+        >>> B = jnp.eye(30) + U @ U.T  # low rank plus identity
+        >>> est, info = krylovjax.trace_funm(
+        ...     jnp.log, B, key, 3, num_probes=4, estimator="krylov-aware",
+        ...     return_info=True,
+        ... )
+        >>> bool(jnp.allclose(est, jnp.linalg.slogdet(B)[1], rtol=1e-4))
+        True
+        >>> info.num_products, int(info.rank)
+        (12, 4)
 
         ```
     """
@@ -150,13 +297,30 @@ def trace_funm(
     num_probes = check_size(
         num_probes, f"{fn_name}(num_probes=...)", what="the number of probes"
     )
+    check_choice(estimator, ESTIMATORS, f"{fn_name}(estimator=...)")
+    if sampler is None:
+        sampler = "sphere" if estimator == "krylov-aware" else "rademacher"
     check_choice(sampler, SAMPLERS, f"{fn_name}(sampler=...)")
+    if not isinstance(return_info, bool | np.bool_):
+        msg = (
+            f"`{fn_name}(return_info=...)` must be a bool; got {return_info!r} of "
+            f"type {type(return_info).__name__}."
+        )
+        raise TypeError(msg)
+    sketch = _sketch_size(estimator, num_sketch, num_probes, fn_name)
     _check_key(key, f"{fn_name}(key=...)")
     n, dtype = _probe_structure(A, like, fn_name)
+    if estimator != "hutchinson" and np.dtype(dtype) not in _DEFLATED_DTYPES:
+        msg = (
+            f"`{fn_name}(estimator={estimator!r})` takes real float32 or float64 "
+            f"operators; got dtype {np.dtype(dtype)} (use "
+            f'`estimator="hutchinson"`).'
+        )
+        raise TypeError(msg)
     # A callable's output is compared with `like`, which gives the probes' shape (it
     # is required for a callable).
     probe = jnp.zeros((n,), dtype)
-    check_problem(
+    operator, _, _ = check_problem(
         A, probe, d, reorthogonalize, adjoint, fn_name, "like", "the size of the probes"
     )
     # The m bases are built at once (one vmapped Lanczos run): checked before
@@ -168,30 +332,335 @@ def trace_funm(
         f"{fn_name}(num_probes=...)",
         f"the batch of {num_probes} Lanczos bases (one ({n}, {d}) basis per probe)",
     )
-    real = jnp.finfo(dtype).dtype
-    work = _working_dtype(real)
-    probes = _draw(key, sampler, num_probes, n, real).astype(dtype)
-    arg = f"{fn_name}(f=...)"
-
-    def tridiagonal(z):
-        dec = lanczos_in_working_dtype(
-            A, z, d, reorthogonalize=reorthogonalize, adjoint=adjoint
+    if estimator == "krylov-aware":
+        check_allocation(
+            ((d + 1) * sketch, n),
+            dtype,
+            f"{fn_name}(num_sketch=...)",
+            f"the block Krylov basis of {d} blocks of {sketch} vectors",
         )
-        return dec.diagonal, dec.off_diagonal, dec.norm
+    real = jnp.finfo(dtype).dtype
+    run = _Runs(f, A, d, reorthogonalize, adjoint, f"{fn_name}(f=...)")
+    if estimator == "hutchinson":
+        probes = _draw(key, sampler, num_probes, n, real).astype(dtype)
+        terms = run.quadratures(probes)
+        deflated, rank = jnp.zeros((), terms.dtype), jnp.zeros((), jnp.int32)
+    elif estimator == "hutch++":
+        deflated, terms, rank = _hutch_plus_plus(
+            run, key, sampler, num_probes, sketch, n, dtype
+        )
+    else:
+        deflated, terms, rank = _krylov_aware(
+            run, operator, key, sampler, num_probes, sketch, d, n, dtype
+        )
+    both = standard_result_type(terms.dtype, deflated.dtype)
+    mean = jnp.mean(terms).astype(both)
+    estimate = (deflated.astype(both) + mean).astype(_result_dtype(real, both))
+    if not return_info:
+        return estimate
+    info = TraceInfo(
+        standard_error=_standard_error(terms),
+        rank=rank,
+        num_products=num_probes * d,
+    )
+    return estimate, info
 
-    def quadrature(run):
-        diagonal, off_diagonal, norm = (x.astype(work) for x in run)
-        fn = _scalar_function(f, jnp.zeros_like(diagonal), arg)
-        c = _funm_e0(fn, diagonal, off_diagonal)[0]
-        out = standard_result_type(c.dtype, work)
-        return (norm * norm).astype(out) * c.astype(out)
 
-    # The Lanczos runs are batched; the small eigendecompositions run one at a time.
-    # jaxlib's batched `eigh` on CPU splits its batch over the thread pool that runs
-    # it and waits there for the parts: two at once (a value and a derivative in one
-    # program, on two cores) can wait on each other forever. One matrix runs inline.
-    terms = lax.map(quadrature, jax.vmap(tridiagonal)(probes))
-    return jnp.mean(terms).astype(_result_dtype(real, terms.dtype))
+_DEFLATED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+class _Runs(eqx.Module):
+    """Lanczos runs from a batch of vectors: quadratures $\\|z\\|^2 e_0^\\top f(T)
+    e_0$ of $z^\\top f(A) z$, or actions $f(A) z \\approx \\|z\\| Q f(T) e_0$."""
+
+    f: Callable
+    A: Any
+    d: int = eqx.field(static=True)
+    reorthogonalize: bool = eqx.field(static=True)
+    adjoint: str = eqx.field(static=True)
+    arg: str = eqx.field(static=True)
+
+    def _lanczos(self, vectors: Array):
+        def one(z):
+            dec = lanczos_in_working_dtype(
+                self.A,
+                z,
+                self.d,
+                reorthogonalize=self.reorthogonalize,
+                adjoint=self.adjoint,  # pyright: ignore[reportArgumentType]
+            )
+            return dec.basis, dec.diagonal, dec.off_diagonal, dec.norm
+
+        return jax.vmap(one)(vectors)
+
+    def _small(self, diagonal: Array, off_diagonal: Array) -> Array:
+        work = diagonal.dtype
+        fn = _scalar_function(self.f, jnp.zeros_like(diagonal), self.arg)
+        return _funm_e0(fn, diagonal, off_diagonal.astype(work))
+
+    def quadratures(self, vectors: Array) -> Array:
+        def quadrature(run):
+            _, diagonal, off_diagonal, norm = run
+            c = self._small(diagonal, off_diagonal)[0]
+            out = standard_result_type(c.dtype, diagonal.dtype)
+            return (norm * norm).astype(out) * c.astype(out)
+
+        # The Lanczos runs are batched; the small eigendecompositions run one at a
+        # time. jaxlib's batched `eigh` on CPU splits its batch over the thread pool
+        # that runs it and waits there for the parts: two at once (a value and a
+        # derivative in one program, on two cores) can wait on each other forever.
+        # One matrix runs inline.
+        # A zero vector (a dropped row of a basis, the remainder of a basis that
+        # spans everything) has a zero term; its run starts from a vector of ones
+        # instead, whose quadrature is finite where `f` is on the spectrum (that of
+        # zero is `f(0) * 0`, `nan` for `log`), and is then discarded.
+        square = lax.stop_gradient(jnp.sum(jnp.abs(vectors) ** 2, axis=1))
+        empty = square == 0
+        start = jnp.where(empty[:, None], jnp.ones_like(vectors), vectors)
+        terms = lax.map(quadrature, self._lanczos(start))
+        return jnp.where(empty, jnp.zeros_like(terms), terms)
+
+    def actions(self, vectors: Array) -> Array:
+        def action(run):
+            basis, diagonal, off_diagonal, norm = run
+            c = self._small(diagonal, off_diagonal)
+            return (norm * (basis @ c.astype(basis.dtype))).astype(vectors.dtype)
+
+        return lax.map(action, self._lanczos(vectors))
+
+
+# ----------------------------------------------------------------- estimators
+
+
+def _hutch_plus_plus(
+    run: _Runs, key: Array, sampler: str, m: int, k: int, n: int, dtype: Any
+) -> tuple[Array, Array, Array]:
+    """Hutch++ on $f(A)$: the deflated trace, the remainder's terms, the rank."""
+    key_sketch, key_rest = jr.split(key)
+    sketch = jr.normal(key_sketch, (k, n), dtype)
+    Q = _orthonormal_rows(run.actions(sketch), jnp.zeros((0, n), dtype))
+    deflated = jnp.sum(run.quadratures(Q))
+    terms = run.quadratures(_remainder_probes(key_rest, sampler, m - 2 * k, Q))
+    return deflated, terms, _rank(Q)
+
+
+# The share of the block Krylov space that is deflated: its first ceil(d / 2)
+# blocks; the others serve the quadrature of the deflated trace (Chen and Hallman's
+# q and n1).
+def _deflated_blocks(d: int) -> int:
+    return d - d // 2
+
+
+def _krylov_aware(
+    run: _Runs,
+    operator: AbstractOperator,
+    key: Array,
+    sampler: str,
+    m: int,
+    b: int,
+    d: int,
+    n: int,
+    dtype: Any,
+) -> tuple[Array, Array, Array]:
+    """Chen and Hallman's estimator: the deflated trace, the remainder's terms,
+    the rank."""
+    key_sketch, key_rest = jr.split(key)
+    omega = jr.normal(key_sketch, (b, n), dtype)
+    basis, products = _block_krylov(operator, omega, d)
+    T = basis @ products.T
+    T = (T + T.T) / 2
+    visible = lax.stop_gradient(jnp.sum(basis * basis, axis=1)) > 0.5
+    head = visible & (jnp.arange(d * b) < _deflated_blocks(d) * b)
+    deflated = _head_trace(run.f, T, visible, head, run.arg)
+    Q = jnp.where(head[:, None], basis, jnp.zeros_like(basis))
+    terms = run.quadratures(_remainder_probes(key_rest, sampler, m - b, Q))
+    return deflated, terms, _rank(Q)
+
+
+def _block_krylov(
+    operator: AbstractOperator, omega: Array, d: int
+) -> tuple[Array, Array]:
+    """An orthonormal basis of $[\\Omega, A\\Omega, \\dots, A^{d-1}\\Omega]$, as
+    `(d b, n)` rows (zero rows for what was dropped), and $A$ times each row."""
+    b, n = omega.shape
+    first = _orthonormal_rows(omega, jnp.zeros((0, n), omega.dtype))
+    buffer = jnp.zeros(((d + 1) * b, n), omega.dtype).at[:b].set(first)
+
+    def step(carry, k):
+        buffer, block = carry
+        product = operator.mm(block).astype(block.dtype)
+        block = _orthonormal_rows(product, buffer)
+        buffer = lax.dynamic_update_slice(buffer, block, ((k + 1) * b, 0))
+        return (buffer, block), product
+
+    (buffer, _), products = lax.scan(step, (buffer, first), jnp.arange(d))
+    return buffer[: d * b], products.reshape(d * b, n)
+
+
+def _orthonormal_rows(Y: Array, previous: Array) -> Array:
+    r"""Orthonormal rows spanning those of `Y` against the orthonormal (or zero)
+    rows of `previous`: block Gram--Schmidt twice against `previous`, then one row
+    at a time (twice) against the rows done. A row of which no more than
+    $\sqrt\varepsilon$ of its length remains is dropped (a zero row, with zero
+    derivative)."""
+    eps = jnp.finfo(Y.dtype).eps
+    lengths = jnp.sum(lax.stop_gradient(Y) ** 2, axis=1)
+    for _ in range(2):
+        Y = Y - (Y @ previous.T) @ previous
+
+    def step(done, j):
+        y = Y[j]
+        for _ in range(2):
+            y = y - done.T @ (done @ y)
+        square = jnp.sum(y * y)
+        keep = lax.stop_gradient(square) > eps * lengths[j]
+        safe = jnp.where(keep, square, jnp.ones_like(square))
+        q = jnp.where(keep, y / jnp.sqrt(safe), jnp.zeros_like(y))
+        return done.at[j].set(q), None
+
+    done, _ = lax.scan(step, jnp.zeros_like(Y), jnp.arange(Y.shape[0]))
+    return done
+
+
+def _rank(Q: Array) -> Array:
+    """The number of non-zero (unit) rows of `Q`."""
+    norms = lax.stop_gradient(jnp.sum(Q * Q, axis=1))
+    return jnp.sum(norms > 0.5).astype(jnp.int32)
+
+
+def _remainder_probes(key: Array, sampler: str, m: int, Q: Array) -> Array:
+    r"""Probes $w = (I - QQ^\top) z$ of the remainder, for $z$ from `sampler`;
+    `"sphere"`: Gaussian, projected, then rescaled to norm $\sqrt{n - r}$, so
+    uniform on the sphere of the complement ($r$ the rank of $Q$)."""
+    n = Q.shape[1]
+    z = _draw(key, "normal" if sampler == "sphere" else sampler, m, n, Q.dtype)
+    for _ in range(2):
+        z = z - (z @ Q.T) @ Q
+    if sampler != "sphere":
+        return z
+    free = jnp.asarray(n, jnp.int32) - _rank(Q)
+    square = jnp.sum(z * z, axis=1, keepdims=True)
+    ok = (lax.stop_gradient(square) > 0) & (free > 0)
+    scale = free.astype(Q.dtype) / jnp.where(ok, square, jnp.ones_like(square))
+    return jnp.where(ok, z * jnp.sqrt(scale), jnp.zeros_like(z))
+
+
+def _standard_error(terms: Array) -> Array:
+    """The standard error of the mean of `terms`: `inf` for a single term."""
+    terms = lax.stop_gradient(terms)
+    real = jnp.finfo(terms.dtype).dtype
+    (m,) = terms.shape
+    if m < 2:
+        return jnp.asarray(jnp.inf, real)
+    deviation = jnp.abs(terms - jnp.mean(terms)).astype(real)
+    variance = jnp.sum(deviation * deviation) / (m - 1)
+    return jnp.sqrt(variance / m)
+
+
+# ------------------------------------------------- the deflated trace of f(T)
+
+
+def _head_trace(f: Callable, T: Array, visible: Array, head: Array, arg: str) -> Array:
+    r"""$\operatorname{tr}(H f(\mathcal T))$, $H$ the 0/1 diagonal of `head`.
+
+    The rows and columns of dropped basis vectors (not `visible`) are zero in
+    $\mathcal T$, where `f` may be infinite ($\log 0$); they are replaced by $c$ on
+    the diagonal, the mean of the visible diagonal entries (Rayleigh quotients, in
+    the numerical range of $A$, where `f` is evaluated anyway), decoupled from the
+    rest and outside `head`: the value is unchanged."""
+    both = visible[:, None] & visible[None, :]
+    T = jnp.where(both, T, jnp.zeros_like(T))
+    diagonal = jnp.diagonal(T)
+    count = jnp.maximum(jnp.sum(visible), 1).astype(T.dtype)
+    c = lax.stop_gradient(jnp.sum(jnp.where(visible, diagonal, 0)) / count)
+    T = T + jnp.diag(jnp.where(visible, jnp.zeros_like(diagonal), c))
+    fn = _scalar_function(f, jnp.zeros_like(diagonal), arg)
+    return _weighted_trace(fn, T, head.astype(T.dtype))
+
+
+@eqx.filter_custom_jvp
+def _weighted_trace(fn: Callable, T: Array, head: Array) -> Array:
+    lam, V = jnp.linalg.eigh(T)
+    values = fn(lam)
+    weights = (head @ (V * V)).astype(values.dtype)
+    return jnp.sum(values * weights)
+
+
+@_weighted_trace.def_jvp
+def _weighted_trace_jvp(primals, tangents):
+    fn, T, head = primals
+    t_fn, t_T, _ = tangents
+    lam, V = jnp.linalg.eigh(T)
+    values, derivatives = jax.jvp(fn, (lam,), (jnp.ones_like(lam),))
+    dtype = values.dtype
+    W = (V.T @ (head[:, None] * V)).astype(dtype)
+    weights = jnp.diagonal(W)
+    out = jnp.sum(values * weights)
+    tangent = jnp.zeros_like(out)
+    if t_T is not None:
+        E = (V.T @ t_T @ V).astype(dtype)
+        F = _divided_differences(lam, values, derivatives)
+        tangent = tangent + jnp.sum(F * E * W)
+    # The leaves of `fn` with a tangent, as in `_funm._funm_e0_jvp`.
+    leaves, treedef = jtu.tree_flatten(fn)
+    t_leaves = treedef.flatten_up_to(t_fn)
+    wanted = {
+        i: jnp.asarray(p)
+        for i, (p, t) in enumerate(zip(leaves, t_leaves, strict=True))
+        if t is not None
+    }
+    if wanted:
+
+        def fn_of(diff):
+            new = [diff.get(i, leaf) for i, leaf in enumerate(leaves)]
+            return jtu.tree_unflatten(treedef, new)(lam)
+
+        t_wanted = {i: jnp.asarray(t_leaves[i], p.dtype) for i, p in wanted.items()}
+        _, dvalues = jax.jvp(fn_of, (wanted,), (t_wanted,))
+        tangent = tangent + jnp.sum(dvalues.astype(dtype) * weights)
+    return out, tangent
+
+
+def _sketch_size(estimator: str, num_sketch: Any, m: int, fn_name: str) -> int:
+    """The sketch's size: checked, or the estimator's default."""
+    arg = f"{fn_name}(num_sketch=...)"
+    if estimator == "hutchinson":
+        if num_sketch is not None:
+            msg = (
+                f"`{arg}` applies to `estimator='hutch++'` and "
+                f"`estimator='krylov-aware'`; got {num_sketch!r} with "
+                f"`estimator='hutchinson'`."
+            )
+            raise ValueError(msg)
+        return 0
+    if estimator == "hutch++":
+        k = m // 3 if num_sketch is None else num_sketch
+        k = check_size(k, arg, what="the number of sketch vectors", minimum=0)
+        if m - 2 * k < 1:
+            msg = (
+                f"`{arg}` must leave at least one probe for the remainder, "
+                f"`num_probes - 2 * num_sketch >= 1` with `estimator='hutch++'`; "
+                f"got num_sketch={k} with num_probes={m}."
+            )
+            raise ValueError(msg)
+        return k
+    if m < 2:
+        msg = (
+            f"`{fn_name}(num_probes=...)` must be at least 2 with "
+            f"`estimator='krylov-aware'` (a sketch and a probe of the remainder); "
+            f"got {m}."
+        )
+        raise ValueError(msg)
+    b = m // 2 if num_sketch is None else num_sketch
+    b = check_size(b, arg, what="the number of sketch columns")
+    if b >= m:
+        msg = (
+            f"`{arg}` must be below `num_probes` with `estimator='krylov-aware'` "
+            f"(the rest are probes of the remainder); got num_sketch={b} with "
+            f"num_probes={m}."
+        )
+        raise ValueError(msg)
+    return b
 
 
 # --------------------------------------------------------------------- checks

@@ -1,0 +1,490 @@
+"""Benchmark `trace_funm`'s estimators on a Gaussian-process log-determinant.
+
+$\\log\\det(K + \\sigma^2 I)$ with $K_{ij} = \\exp(-|x_i - x_j|^2 / (2 \\ell^2))$, the
+points uniform in the unit square, float64 on the CPU, Lanczos depth `d` for every
+estimator. Measured:
+
+- **Statistics** (at `--n-stats`, where many keys are affordable): for each
+  estimator and budget, the relative error of the value against the dense
+  `slogdet` over `--seeds` keys, its 95th percentile, and the variance of the
+  gradient in the lengthscale. For Hutchinson, whose terms are independent, the
+  mean and standard deviation of single-probe estimates over many keys give its
+  bias and the number of probes the 95% bound needs (bias + 1.96 sigma / sqrt(m)
+  <= 1e-3 |log det|, the normal approximation); the deflated estimators are run
+  at each budget of a grid and the cheapest that meets the bound is reported.
+- **At n = `--n-big`** (dense and matrix-free: a callable that computes the
+  kernel's rows in blocks, never storing K): a few keys of the best deflated
+  budget and of single-probe Hutchinson, the same statistics, and the time of a
+  value and gradient (lengthscale) call of each, side by side.
+- **Competitors** at the statistics size and the time at n-big: GPyTorch's
+  stochastic Lanczos log-det at its defaults (`pip install -e ".[bench-gpytorch]"`)
+  and matfree's Monte Carlo log-det integrand and XTrace on Lanczos actions of
+  log(A) (`".[bench-matfree]"`); a missing one reads "not installed".
+
+Run `python benchmarks/bench_trace.py` (long: the statistics alone took about 40
+minutes on a shared 2-core machine, mostly the many keys of the gradient runs) or
+`--quick` (a smoke run of small sizes, still several minutes, mostly compiling). Results go to `--out` (default `benchmarks/out/trace`):
+`results.json` and `results.md`.
+"""
+
+import argparse
+import math
+from pathlib import Path
+
+import _harness as h
+import numpy as np
+
+h.cpu_by_default()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import krylovjax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+FULL = {
+    "n_stats": 2000,
+    "n_big": 10000,
+    "seeds": 60,
+    "big_seeds": 3,
+    "single_probes": 200,
+    "grid": [(8, 1), (8, 2), (16, 2)],
+    "timing": {"target_s": 0.0, "min_rounds": 1, "max_rounds": 1},
+}
+QUICK = {
+    "n_stats": 300,
+    "n_big": 600,
+    "seeds": 10,
+    "big_seeds": 2,
+    "single_probes": 20,
+    "grid": [(4, 1)],
+    "timing": {"target_s": 0.0, "min_rounds": 1, "max_rounds": 1},
+}
+TARGET = 1e-3
+ROW_BLOCK = 1000
+
+
+def points(n, dim, seed=0):
+    return jax.random.uniform(jax.random.key(seed), (n, dim), jnp.float64)
+
+
+def dense(X, lengthscale, noise):
+    sq = jnp.sum((X[:, None] - X[None]) ** 2, axis=-1)
+    return jnp.exp(-sq / (2 * lengthscale**2)) + noise * jnp.eye(X.shape[0])
+
+
+def matrix_free(X, lengthscale, noise):
+    """$v \\mapsto (K + \\sigma^2 I) v$, the kernel's rows computed in blocks."""
+    n = X.shape[0]
+    block = min(ROW_BLOCK, n)
+    rows = X.reshape(n // block, block, X.shape[1])
+
+    def mv(v):
+        def part(Xb):
+            sq = jnp.sum((Xb[:, None] - X[None]) ** 2, axis=-1)
+            return jnp.exp(-sq / (2 * lengthscale**2)) @ v
+
+        return jax.lax.map(part, rows).reshape(n) + noise * v
+
+    return mv
+
+
+def exact(X, lengthscale, noise):
+    """The log-determinant and its lengthscale derivative, dense, in NumPy."""
+    Xn = np.asarray(X)
+    sq = ((Xn[:, None] - Xn[None]) ** 2).sum(-1)
+    K = np.exp(-sq / (2 * lengthscale**2))
+    A = K + noise * np.eye(len(Xn))
+    value = np.linalg.slogdet(A)[1]
+    dK = K * sq / lengthscale**3
+    grad = np.sum(np.linalg.inv(A) * dK)
+    return float(value), float(grad)
+
+
+def estimator_fn(X, noise, d, m, estimator, b=None, free=False):
+    """Value and lengthscale gradient of one estimate, vmapped over keys."""
+    options = {} if b is None else {"num_sketch": b}
+
+    def one(lengthscale, key):
+        A = (matrix_free if free else dense)(X, lengthscale, noise)
+        return krylovjax.trace_funm(
+            jnp.log,
+            A,
+            key,
+            d,
+            num_probes=m,
+            estimator=estimator,
+            like=X[:, 0] if free else None,
+            **options,
+        )
+
+    return jax.jit(jax.vmap(jax.value_and_grad(one), in_axes=(None, 0)))
+
+
+def run_keys(fn, lengthscale, keys, chunk):
+    values, grads = [], []
+    for i in range(0, len(keys), chunk):
+        v, g = fn(lengthscale, keys[i : i + chunk])
+        values.append(np.asarray(v))
+        grads.append(np.asarray(g))
+    return np.concatenate(values), np.concatenate(grads)
+
+
+def summary(values, grads, value, grad, products):
+    rel = np.abs(values - value) / abs(value)
+    return {
+        "products": products,
+        "q95_rel_error": float(np.quantile(rel, 0.95)),
+        "mean_rel_error": float(np.mean(values - value) / abs(value)),
+        "grad_var": float(np.var(grads, ddof=1)),
+        "grad_mean": float(np.mean(grads)),
+        "grad_exact": grad,
+    }
+
+
+def hutchinson_needed(values, grads, value, d):
+    """From single-probe estimates: bias, sigma, probes for the 95% bound."""
+    bias = float(np.mean(values) - value)
+    sigma = float(np.std(values, ddof=1))
+    room = TARGET * abs(value) - abs(bias)
+    probes = math.ceil((1.96 * sigma / room) ** 2) if room > 0 else None
+    return {
+        "bias_rel": bias / abs(value),
+        "sigma_rel": sigma / abs(value),
+        "grad_var_one_probe": float(np.var(grads, ddof=1)),
+        "probes_needed": probes,
+        "products_needed": None if probes is None else probes * d,
+    }
+
+
+def statistics(cfg, dim, lengthscale, noise, d, log):
+    n = cfg["n_stats"]
+    X = points(n, dim)
+    value, grad = exact(X, lengthscale, noise)
+    keys = jax.random.split(jax.random.key(42), cfg["single_probes"])
+    v, g = run_keys(estimator_fn(X, noise, d, 1, "hutchinson"), lengthscale, keys, 50)
+    hutch = hutchinson_needed(v, g, value, d)
+    log(f"hutchinson at n={n}: {hutch}")
+    keys = jax.random.split(jax.random.key(7), cfg["seeds"])
+    rows = []
+    for b, rest in cfg["grid"]:
+        m = b + rest
+        for name, est, sketch in (
+            ("krylov-aware", "krylov-aware", b),
+            ("hutch++", "hutch++", m // 3),
+            ("hutchinson", "hutchinson", None),
+        ):
+            if name != "krylov-aware" and (b, rest) != cfg["grid"][-1]:
+                continue
+            fn = estimator_fn(X, noise, d, m, est, sketch)
+            v, g = run_keys(fn, lengthscale, keys, 10)
+            r = summary(v, g, value, grad, m * d) | {
+                "estimator": name,
+                "num_probes": m,
+                "num_sketch": sketch,
+            }
+            rows.append(r)
+            log(f"{name} m={m} sketch={sketch}: {r}")
+    return {"n": n, "exact": value, "exact_grad": grad, "hutch": hutch, "rows": rows}
+
+
+def best(rows):
+    """The cheapest krylov-aware budget that meets the target, else the best."""
+    ka = [r for r in rows if r["estimator"] == "krylov-aware"]
+    ok = [r for r in ka if r["q95_rel_error"] <= TARGET]
+    return (
+        min(ok, key=lambda r: r["products"])
+        if ok
+        else min(ka, key=lambda r: r["q95_rel_error"])
+    )
+
+
+def big(cfg, dim, lengthscale, noise, d, choice, log):
+    """The chosen budget and single-probe Hutchinson at n-big, dense and
+    matrix-free: statistics over a few keys, and the time of one call."""
+    n = cfg["n_big"]
+    X = points(n, dim)
+    value, _ = exact(X, lengthscale, noise)
+    log(f"exact at n={n}: {value}")
+    m, b = choice["num_probes"], choice["num_sketch"]
+    keys = jax.random.split(jax.random.key(3), cfg["big_seeds"])
+    out = {"n": n, "exact": value}
+    for free in (False, True):
+        kind = "matrix-free" if free else "dense"
+        ka = estimator_fn(X, noise, d, m, "krylov-aware", b, free)
+        # The matrix-free operator recomputes the kernel at every product: its
+        # statistics are those of the dense one (same keys, same estimates to
+        # rounding), so it runs one key, for the agreement and the time.
+        v, g = run_keys(ka, lengthscale, keys[:1] if free else keys, 1)
+        rel = np.abs(v - value) / abs(value)
+        if not free:
+            hk = jax.random.split(jax.random.key(9), 8 * cfg["big_seeds"])
+            hv, hg = run_keys(
+                estimator_fn(X, noise, d, 1, "hutchinson"), lengthscale, hk, 8
+            )
+            hutch = hutchinson_needed(hv, hg, value, d)
+        timing = h.measure(
+            {
+                "krylov-aware": (ka, (lengthscale, keys[:1])),
+                "hutchinson": (
+                    estimator_fn(X, noise, d, m, "hutchinson", None, free),
+                    (lengthscale, keys[:1]),
+                ),
+            },
+            **cfg["timing"],
+        )
+        out[kind] = {
+            "values": v.tolist(),
+            "max_rel_error": float(np.max(rel)),
+            "ka_grad_var": float(np.var(g, ddof=1)) if len(g) > 1 else None,
+            "hutch": hutch,
+            "time_s": {k: t["median_s"] for k, t in timing.items()},
+        }
+        log(f"{kind} at n={n}: {out[kind]}")
+    return out
+
+
+def gpytorch_case(X, lengthscale, noise, seeds, value, grad, time_n=None):
+    """GPyTorch's `logdet` at its defaults: statistics over torch seeds."""
+    try:
+        import gpytorch  # noqa: F401
+        import torch
+        from linear_operator.operators import DenseLinearOperator
+    except ImportError:
+        return h.NOT_INSTALLED
+    import time
+
+    torch.set_default_dtype(torch.float64)
+
+    def call(Xt, seed):
+        torch.manual_seed(seed)
+        ell = torch.tensor(lengthscale, requires_grad=True)
+        sq = torch.cdist(Xt, Xt) ** 2
+        K = torch.exp(-sq / (2 * ell**2))
+        op = DenseLinearOperator(K).add_diagonal(torch.tensor(noise))
+        out = op.logdet()
+        (g,) = torch.autograd.grad(out, ell)
+        return float(out), float(g)
+
+    Xt = torch.tensor(np.asarray(X))
+    res = np.array([call(Xt, s) for s in range(seeds)])
+    rel = np.abs(res[:, 0] - value) / abs(value)
+    out = {
+        "q95_rel_error": float(np.quantile(rel, 0.95)),
+        "mean_rel_error": float(np.mean(res[:, 0] - value) / abs(value)),
+        "grad_var": float(np.var(res[:, 1], ddof=1)),
+        "grad_mean": float(np.mean(res[:, 1])),
+        "grad_exact": grad,
+    }
+    if time_n is not None:
+        Xb = torch.tensor(np.asarray(points(time_n, X.shape[1])))
+        call(Xb, 0)
+        start = time.perf_counter()
+        call(Xb, 1)
+        out["time_s_big"] = time.perf_counter() - start
+    return out
+
+
+def matfree_case(X, lengthscale, noise, d, m, seeds, value, grad):
+    """matfree's Monte Carlo log-det (Rademacher, Lanczos quadrature) and XTrace
+    on Lanczos actions of log(A), at m probes each."""
+    try:
+        from matfree import decomp, funm, stochtrace
+    except ImportError:
+        return h.NOT_INSTALLED
+
+    def matvec(v, ell):
+        return dense(X, ell, noise) @ v
+
+    x_like = X[:, 0]
+    integrand = funm.monte_carlo_funm_sym_logdet(decomp.tridiag_sym(d))
+    sampler = stochtrace.sampler_signs(x_like, num=m)
+    mc = stochtrace.estimator_monte_carlo(integrand, sampler)
+    action = funm.funm_lanczos_sym(
+        funm.dense_funm_sym_eigh(jnp.log), decomp.tridiag_sym(d)
+    )
+    xt = stochtrace.leave_one_out_xtrace()
+    xsampler = stochtrace.sampler_normal(x_like, num=m)
+    xtrace = stochtrace.estimator_leave_one_out(xt, xsampler)
+
+    def log_mv(v, ell):
+        return action(matvec, v, ell)
+
+    out = {}
+    for name, est in (("matfree_mc", mc), ("matfree_xtrace", xtrace)):
+        mv = matvec if name == "matfree_mc" else log_mv
+        try:
+            fn = jax.jit(
+                jax.vmap(
+                    jax.value_and_grad(lambda ell, k, est=est, mv=mv: est(mv, k, ell)),
+                    in_axes=(None, 0),
+                )
+            )
+            keys = jax.random.split(jax.random.key(11), seeds)
+            v, g = run_keys(fn, lengthscale, keys, 10)
+            out[name] = summary(v, g, value, grad, m * d)
+        except Exception as error:  # a competitor that cannot run this
+            out[name] = h.failure(error)
+    return out
+
+
+def markdown(report):
+    s = report["stats"]
+    lines = [
+        f"# trace_funm estimators: log det(K + s^2 I), {report['problem']}",
+        "",
+        f"Statistics at n = {s['n']} over {report['seeds']} keys (d = "
+        f"{report['d']}); exact log det {s['exact']:.6g}, exact d/dl "
+        f"{s['exact_grad']:.6g}.",
+        "",
+    ]
+    hu = s["hutch"]
+    lines += [
+        f"Hutchinson (single-probe estimates): bias {hu['bias_rel']:.2e} relative, "
+        f"sigma {hu['sigma_rel']:.2e} relative per probe; probes for 95% <= "
+        f"{TARGET:g}: {hu['probes_needed']} ({hu['products_needed']} products).",
+        "",
+    ]
+    rows = [
+        (
+            r["estimator"],
+            r["num_probes"],
+            "-" if r["num_sketch"] is None else r["num_sketch"],
+            r["products"],
+            h.fmt(r["q95_rel_error"], ".2e"),
+            h.fmt(r["mean_rel_error"], ".1e"),
+            h.fmt(r["grad_var"], ".3g"),
+        )
+        for r in s["rows"]
+    ]
+    lines += h.table(
+        "estimator | num_probes | num_sketch | products | q95 rel. error | "
+        "mean rel. error | grad variance",
+        rows,
+        "lrrrrrr",
+    )
+    c = report["choice"]
+    hp = hu["products_needed"]
+    lines += [
+        "",
+        f"Best krylov-aware budget: num_probes={c['num_probes']}, num_sketch="
+        f"{c['num_sketch']}: {c['products']} products, q95 {c['q95_rel_error']:.2e}"
+        f" (target {TARGET:g}: {'met' if c['q95_rel_error'] <= TARGET else 'MISSED'})"
+        f"; Hutchinson needs {hp} products: ratio "
+        f"{h.fmt(None if hp is None else hp / c['products'], '.1f')}x (target 10x).",
+    ]
+    same = [
+        r
+        for r in s["rows"]
+        if r["num_probes"] == c["num_probes"] and r["estimator"] == "hutchinson"
+    ][0]
+    lines += [
+        f"Gradient variance at that budget: Hutchinson {same['grad_var']:.3g}, "
+        f"krylov-aware {c['grad_var']:.3g}: ratio "
+        f"{same['grad_var'] / max(c['grad_var'], 1e-300):.1f}x (target 5x).",
+        "",
+    ]
+    b = report["big"]
+    lines += [f"## n = {b['n']} (exact log det {b['exact']:.6g})", ""]
+    rows = []
+    for kind in ("dense", "matrix-free"):
+        r = b[kind]
+        rows.append(
+            (
+                kind,
+                h.fmt(r["max_rel_error"], ".2e"),
+                h.fmt(r["hutch"]["sigma_rel"], ".2e"),
+                r["hutch"]["products_needed"],
+                h.ms(r["time_s"]["krylov-aware"]),
+                h.ms(r["time_s"]["hutchinson"]),
+            )
+        )
+    lines += h.table(
+        "operator | krylov-aware max rel. error | Hutchinson sigma/probe (rel.) | "
+        "Hutchinson products needed | krylov-aware value+grad (ms) | "
+        "Hutchinson same budget (ms)",
+        rows,
+        "lrrrrr",
+    )
+    lines += ["", "## Competitors (statistics size)", ""]
+    rows = []
+    for name, r in report["competitors"].items():
+        if isinstance(r, str):
+            rows.append((name, r, "", "", "", ""))
+            continue
+        rows.append(
+            (
+                name,
+                h.fmt(r["q95_rel_error"], ".2e"),
+                h.fmt(r["mean_rel_error"], ".1e"),
+                h.fmt(r["grad_var"], ".3g"),
+                h.fmt(r.get("grad_mean"), ".4g"),
+                h.ms(r.get("time_s_big")),
+            )
+        )
+    lines += h.table(
+        "method | q95 rel. error | mean rel. error | grad variance | grad mean | "
+        "time at n-big (ms)",
+        rows,
+        "lrrrrr",
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=h.REPO / "benchmarks/out/trace")
+    parser.add_argument("--dim", type=int, default=2)
+    parser.add_argument("--lengthscale", type=float, default=0.2)
+    parser.add_argument("--noise", type=float, default=0.1)
+    parser.add_argument("--d", type=int, default=30)
+    args = parser.parse_args()
+    cfg = QUICK if args.quick else FULL
+    log = h.Log()
+    ell, noise, d = args.lengthscale, args.noise, args.d
+    stats = statistics(cfg, args.dim, ell, noise, d, log)
+    choice = best(stats["rows"])
+    report = {
+        "problem": f"{args.dim}-D uniform points, lengthscale {ell}, noise {noise}",
+        "d": d,
+        "seeds": cfg["seeds"],
+        "stats": stats,
+        "choice": choice,
+        "machine": h.machine_info("jax", "jaxlib", "gpytorch", "matfree"),
+    }
+    X = points(cfg["n_stats"], args.dim)
+    competitors = {
+        "gpytorch (defaults)": gpytorch_case(
+            X,
+            ell,
+            noise,
+            cfg["seeds"],
+            stats["exact"],
+            stats["exact_grad"],
+            time_n=cfg["n_big"],
+        )
+    }
+    log(f"gpytorch: {competitors}")
+    mf = matfree_case(
+        X,
+        ell,
+        noise,
+        d,
+        choice["num_probes"],
+        cfg["seeds"],
+        stats["exact"],
+        stats["exact_grad"],
+    )
+    competitors.update(mf if isinstance(mf, dict) else {"matfree": mf})
+    log(f"matfree: {mf}")
+    report["competitors"] = competitors
+    report["big"] = big(cfg, args.dim, ell, noise, d, choice, log)
+    text = markdown(report)
+    h.write_results(args.out, report, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""`trace_funm`'s estimators: values against exact traces, statistics over many
+keys, derivatives three ways, transforms, the matrix-free path and the errors.
+
+Compiling is what these tests spend their time on, so every computation is jitted
+and a test compiles one program with all its cases (the estimators where their
+behaviour differs, as a dict of outputs); the gradient test takes its values,
+derivatives by autodiff and by finite differences from one program.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import check_finite_differences, random_like, unchecked
+
+import krylovjax
+
+ESTIMATORS = ("hutchinson", "hutch++", "krylov-aware")
+DEFLATED = ("hutch++", "krylov-aware")
+
+
+def spd(n, seed=0, eigenvalues=None):
+    """A random SPD matrix: eigenvalues in [0.5, 4] or the given ones."""
+    rng = np.random.default_rng(seed)
+    Q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    lam = rng.uniform(0.5, 4.0, n) if eigenvalues is None else np.asarray(eigenvalues)
+    return jnp.asarray((Q * lam) @ Q.T)
+
+
+def log_det(A):
+    return float(np.linalg.slogdet(np.asarray(A))[1])
+
+
+def symmetrise(A):
+    return (A + A.T) / 2
+
+
+def value_vjp_jvp(f, primals, tangents, cotangents):
+    """`(f(*primals), its VJP of cotangents, its JVP along tangents)` from one
+    linearisation (the VJP is its transpose), to be called inside a jitted program:
+    one copy of the forward pass and of the tangent map, where `jax.vjp` and
+    `jax.jvp` would compile two of each."""
+    out, linear = jax.linearize(f, *primals)
+    vjp = jax.linear_transpose(linear, *primals)(cotangents)
+    return out, vjp, linear(*tangents)
+
+
+# Few distinct eigenvalues: every Lanczos run and the block Krylov space of a
+# single column are invariant after 4 vectors, so at d = 4 every quadrature is
+# exact and each estimator is exactly unbiased.
+FEW = spd(12, seed=1, eigenvalues=np.repeat([0.5, 1.0, 2.0, 4.0], 3))
+FEW_OPTIONS = {
+    "hutchinson": {},
+    "hutch++": {"num_sketch": 2},
+    "krylov-aware": {"num_sketch": 1},
+}
+
+
+def batches(cases, A, d, m, keys, f=jnp.log, matrix_free=0):
+    """Estimates and infos for every key, of every `{estimator: options}` case, in
+    one compiled program that vmaps over the keys; with `matrix_free=k`, also the
+    estimates of the first k keys with `A` as a callable (`like=`), one key at a
+    time (`lax.map`)."""
+
+    @jax.jit
+    def run(A, keys):
+        def one(estimator, options, key, operator=A, like=None):
+            return krylovjax.trace_funm(
+                f,
+                operator,
+                key,
+                d,
+                num_probes=m,
+                estimator=estimator,
+                return_info=True,
+                like=like,
+                **options,
+            )
+
+        def callable_(estimator, options, key):
+            like = jax.ShapeDtypeStruct(A.shape[:1], A.dtype)
+            return one(estimator, options, key, lambda v: A @ v, like)[0]
+
+        out = {}
+        for e, o in cases.items():
+            out[e] = jax.vmap(lambda key, e=e, o=o: one(e, o, key))(keys)
+            if matrix_free:
+                one_by_one = jax.lax.map(
+                    lambda key, e=e, o=o: callable_(e, o, key), keys[:matrix_free]
+                )
+                out[e] = (*out[e], one_by_one)
+        return out
+
+    return run(A, keys)
+
+
+# The longest tests first, so that pytest-xdist's first batches (consecutive
+# tests) share the work of two workers evenly.
+
+
+def rbf_operator(points, noise):
+    """A matrix-free RBF kernel plus noise, closing over a lengthscale."""
+
+    def make(lengthscale):
+        def mv(v):
+            sq = jnp.sum((points[:, None] - points[None]) ** 2, axis=-1)
+            K = jnp.exp(-sq / (2 * lengthscale**2))
+            return K @ v + noise * v
+
+        return mv
+
+    return make
+
+
+def test_gradients():
+    """Reverse and forward mode of the deflated estimates (fixed key) against
+    finite differences in float64, in a dense A and in an array `f` closes over,
+    and of the Krylov-aware estimate of a matrix-free kernel in the lengthscale it
+    closes over; and the gradients against plain autodiff of the Lanczos runs
+    (`adjoint="autodiff"`) with a random cotangent. One program serves all."""
+    n, d, m, key = 8, 4, 6, jr.key(5)
+    make = rbf_operator(jr.uniform(jr.key(2), (n, 2)), 0.1)
+
+    def call(adjoint, matrix_free=True):
+        def estimates(A, shift, lengthscale=None):
+            out = {
+                e: krylovjax.trace_funm(
+                    lambda x: jnp.log(x + shift),
+                    A,
+                    key,
+                    d,
+                    num_probes=m,
+                    estimator=e,
+                    adjoint=adjoint,
+                )
+                for e in DEFLATED
+            }
+            if not matrix_free:
+                return out
+            out["lengthscale"] = krylovjax.trace_funm(
+                jnp.log,
+                make(lengthscale),
+                key,
+                d,
+                num_probes=m,
+                estimator="krylov-aware",
+                like=jnp.zeros(n),
+                adjoint=adjoint,
+            )
+            return out
+
+        return estimates
+
+    shift, lengthscale = jnp.asarray(0.3, jnp.float64), jnp.asarray(0.4, jnp.float64)
+    args = (spd(n, seed=2), shift, lengthscale)
+    tangents = random_like(jr.key(3), args)
+    cts = random_like(jr.key(4), jax.eval_shape(call("custom_jvp"), *args))
+
+    @jax.jit
+    def run(args, tangents, cts):
+        custom = value_vjp_jvp(call("custom_jvp"), args, tangents, cts)
+        dense_cts = {e: cts[e] for e in DEFLATED}
+        out, pullback = jax.vjp(call("autodiff", matrix_free=False), *args[:2])
+        return custom, (out, pullback(dense_cts))
+
+    # The lengthscale's cotangent zero: the gradients of the dense estimates.
+    dense_cts = {**cts, "lengthscale": jnp.zeros_like(cts["lengthscale"])}
+    (out, grads, _), (out_ad, grads_ad) = run(args, tangents, dense_cts)
+    for e in DEFLATED:
+        np.testing.assert_allclose(out[e], out_ad[e], rtol=1e-12, err_msg=e)
+    for a, b in zip(grads[:2], grads_ad, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-8, atol=1e-10)
+
+    # Finite differences perturb A off the symmetric matrices, which Lanczos does
+    # not represent: they differentiate A -> estimate((A + A^T) / 2), whose
+    # derivatives are those of `run` composed with the (self-adjoint) projection.
+    def symmetrised(args):
+        return (symmetrise(args[0]), *args[1:])
+
+    def derivatives(args, tangents, cts):
+        value, (g, *rest), jvp = run(symmetrised(args), symmetrised(tangents), cts)[0]
+        return value, (symmetrise(g), *rest), jvp
+
+    check_finite_differences(
+        lambda A, *rest: call("custom_jvp")(symmetrise(A), *rest),
+        derivatives,
+        args,
+        eps=1e-6,
+    )
+
+
+def test_float32():
+    """The deflated estimators in float32, with sketches that span everything:
+    the exact log-determinant to float32 accuracy, in one program."""
+    n = 10
+    A = spd(n, seed=6).astype(jnp.float32)
+    options = {
+        "hutch++": {"num_sketch": n, "num_probes": 2 * n + 1},
+        "krylov-aware": {"num_sketch": 4, "num_probes": 5},
+    }
+
+    @jax.jit
+    def run(A):
+        return {
+            e: krylovjax.trace_funm(jnp.log, A, jr.key(0), n, estimator=e, **o)
+            for e, o in options.items()
+        }
+
+    for estimator, value in run(A).items():
+        assert value.dtype == jnp.float32, estimator
+        np.testing.assert_allclose(value, log_det(A), rtol=1e-4, err_msg=estimator)
+
+
+# The cases of each estimator whose matrices have one size share a vmapped copy.
+BREAKDOWN_CASES = {
+    "krylov-aware": (("identity", "diagonal"), ("tiny",)),
+    "hutch++": (("identity",), ("tiny",)),
+}
+
+
+def test_breakdown_is_finite():
+    """A multiple of the identity, a diagonal matrix (every Krylov space invariant
+    early, rank-deficient sketches) and n = 2 with a sketch larger than n: values
+    and derivatives are finite, and exact where the estimator is. All cases in one
+    program (those of one estimator and size vmapped)."""
+    matrices = {
+        "identity": 3.0 * jnp.eye(6),
+        "diagonal": jnp.diag(jnp.arange(1.0, 7.0)),
+        "tiny": spd(2, seed=3),
+    }
+
+    @jax.jit
+    def run(matrices):
+        out = {}
+        for estimator, groups in BREAKDOWN_CASES.items():
+            for cases in groups:
+
+                def estimate(A, estimator=estimator):
+                    return krylovjax.trace_funm(
+                        jnp.log,
+                        A,
+                        jr.key(0),
+                        min(A.shape[0], 3),
+                        num_probes=7,
+                        estimator=estimator,
+                        sampler="sphere",
+                    )
+
+                def derivatives(A, estimate=estimate):
+                    one = jnp.ones((), A.dtype)
+                    value, (grad,), tangent = value_vjp_jvp(
+                        estimate, (A,), (jnp.eye(A.shape[0], dtype=A.dtype),), one
+                    )
+                    return value, grad, tangent
+
+                results = jax.vmap(derivatives)(jnp.stack([matrices[c] for c in cases]))
+                for i, case in enumerate(cases):
+                    out[estimator, case] = jax.tree.map(lambda x, i=i: x[i], results)
+        return out
+
+    for (estimator, case), (value, grad, tangent) in run(matrices).items():
+        A = matrices[case]
+        where = (estimator, case)
+        assert np.isfinite(value), where
+        assert np.all(np.isfinite(grad)), where
+        assert np.isfinite(tangent), where
+        if case != "diagonal":
+            # A = cI: the remainder is constant on the sphere; n = 2: everything is
+            # deflated (hutch++: a sketch of 2 > n columns).
+            np.testing.assert_allclose(value, log_det(A), rtol=1e-10, err_msg=where)
+        # Along the identity the estimate moves as tr(A^{-1}) exactly: the probes'
+        # quadratic forms of log(A + tI) all move by their own 1/(a + t).
+        if case == "identity":
+            n = A.shape[0]
+            np.testing.assert_allclose(tangent, n / 3.0, rtol=1e-10, err_msg=where)
+
+
+def test_low_rank_plus_identity():
+    """A = I + U U^T with U of rank 3: the range of log(A) is that of U, which a
+    sketch of f(A) with 3 columns finds, and the block Krylov space of A from 3
+    Gaussian columns is invariant after two blocks: both deflated estimators are
+    exact, with a zero standard error, where Hutchinson's has a standard error
+    above 1 with as many products. The three in one program."""
+    n, r = 40, 3
+    U = jr.normal(jr.key(0), (n, r))
+    A = jnp.eye(n) + U @ U.T
+    exact = log_det(A)
+    keys = jr.split(jr.key(1), 4)
+    cases = {"hutch++": {"num_sketch": r}, "krylov-aware": {"num_sketch": r}}
+    out = batches({**cases, "hutchinson": {}}, A, 6, 2 * r + 2, keys)
+    for estimator in cases:
+        estimates, info = out[estimator]
+        np.testing.assert_allclose(estimates, exact, rtol=1e-9, err_msg=estimator)
+        assert np.all(np.asarray(info.standard_error) < 1e-8), estimator
+        assert np.all(np.asarray(info.rank) == r + (r if estimator != "hutch++" else 0))
+    estimates, info = out["hutchinson"]
+    assert np.all(np.asarray(info.standard_error) > 1.0)
+    assert np.all(np.abs(np.asarray(estimates) - exact) > 1e-3)
+
+
+def test_unbiased_standard_error_matrix_free_vmap():
+    """Over S = 4000 keys, the mean of each estimator's estimates is the exact
+    trace, and the reported standard error matches the spread of the estimates.
+
+    The quadratures are exact (`FEW`), so each estimate is an unbiased draw; the
+    estimates of different keys are independent with finite variance, so by the
+    central limit theorem z = |mean - exact| / (std / sqrt(S)) is close to
+    |N(0, 1)|, and P(|N(0, 1)| > 5.5) = 3.8e-8: the bound fails falsely with
+    probability below 1e-6 per estimator (with S = 4000 the normal approximation
+    of the tail at 5.5 sigma is loose by a factor of a few for these bounded terms;
+    still below 1e-6), below 3e-6 for the three. The deflated trace is exact for
+    every sketch here, so the variance of an estimate is that of its remainder,
+    whose unbiased estimate is the square of the standard error: the mean of
+    `standard_error ** 2` over the keys is within 20% of the empirical variance
+    (the relative noise of both is about sqrt(2 / S) times the kurtosis factor, a
+    few percent; 20% is over five of its standard deviations). The three
+    estimators run in one program, vmapped over the keys, which also gives the
+    estimates of the first keys with `A` a callable, key by key: the same values,
+    as matrix-free, `jit` and `vmap` must."""
+    S, m = 4000, 6
+    exact = log_det(FEW)
+    keys = jr.split(jr.key(7), S)
+    out = batches(FEW_OPTIONS, FEW, 4, m, keys, matrix_free=3)
+    for estimator, (estimates, info, one_by_one) in out.items():
+        # A callable with `like=` gives the dense matrix's estimate for the same
+        # key; `jax.vmap` over keys gives the estimates of the keys one at a time.
+        np.testing.assert_allclose(
+            estimates[:3], one_by_one, rtol=1e-10, err_msg=estimator
+        )
+        estimates = np.asarray(estimates)
+        z = abs(estimates.mean() - exact) / (estimates.std(ddof=1) / np.sqrt(S))
+        assert z < 5.5, (estimator, z)
+        variance = estimates.var(ddof=1)
+        reported = float(np.mean(np.asarray(info.standard_error) ** 2))
+        assert abs(reported / variance - 1) < 0.2, (estimator, reported, variance)
+        assert info.num_products == m * 4
+
+
+def test_exact_at_full_depth():
+    """With a sketch that spans everything and d = n, the deflated estimators are
+    exact, and so is their gradient: d log det A / dA = A^{-1}."""
+    n = 6
+    A = spd(n)
+    options = {
+        "hutch++": {"num_sketch": n, "num_probes": 2 * n + 1},
+        "krylov-aware": {"num_sketch": 2, "num_probes": 3},
+    }
+
+    @jax.jit
+    def run(A):
+        def estimate(A, estimator):
+            return krylovjax.trace_funm(
+                jnp.log,
+                symmetrise(A),
+                jr.key(3),
+                n,
+                estimator=estimator,
+                **options[estimator],
+            )
+
+        return {e: jax.value_and_grad(estimate)(A, e) for e in DEFLATED}
+
+    for estimator, (value, grad) in run(A).items():
+        np.testing.assert_allclose(value, log_det(A), rtol=1e-10, err_msg=estimator)
+        np.testing.assert_allclose(
+            grad, np.linalg.inv(np.asarray(A)), atol=1e-8, err_msg=estimator
+        )
+
+
+def _traced(call):
+    def traced(*args, **kwargs):
+        return jax.eval_shape(lambda: call(*args, **kwargs))
+
+    return traced
+
+
+def test_errors():
+    key, A = jr.key(0), spd(4)
+    trace = _traced(krylovjax.trace_funm)
+    unchecked_trace = _traced(unchecked(krylovjax.trace_funm))
+    with pytest.raises(
+        ValueError, match=r"`trace_funm\(estimator=...\)` must be one of 'hutchinson'"
+    ):
+        unchecked_trace(jnp.log, A, key, 2, num_probes=2, estimator="hutch")
+    with pytest.raises(ValueError, match=r"`trace_funm\(num_sketch=...\)` applies to"):
+        trace(jnp.log, A, key, 2, num_probes=2, num_sketch=1)
+    with pytest.raises(
+        ValueError, match=r"`trace_funm\(num_sketch=...\)` must leave at least one"
+    ):
+        trace(jnp.log, A, key, 2, num_probes=4, estimator="hutch++", num_sketch=2)
+    with pytest.raises(
+        ValueError, match=r"`trace_funm\(num_sketch=...\)` must be below `num_probes`"
+    ):
+        trace(jnp.log, A, key, 2, num_probes=3, estimator="krylov-aware", num_sketch=3)
+    with pytest.raises(
+        ValueError, match=r"`trace_funm\(num_probes=...\)` must be at least 2"
+    ):
+        trace(jnp.log, A, key, 2, num_probes=1, estimator="krylov-aware")
+    with pytest.raises(TypeError, match=r"`trace_funm\(num_sketch=...\)` must be a"):
+        unchecked_trace(
+            jnp.log, A, key, 2, num_probes=4, estimator="hutch++", num_sketch=1.5
+        )
+    with pytest.raises(
+        TypeError, match=r"`trace_funm\(return_info=...\)` must be a bool"
+    ):
+        unchecked_trace(jnp.log, A, key, 2, num_probes=2, return_info="yes")
+    with pytest.raises(
+        TypeError,
+        match=r"`trace_funm\(estimator='hutch\+\+'\)` takes real float32 or float64",
+    ):
+        trace(
+            jnp.log,
+            A.astype(jnp.complex128),
+            key,
+            2,
+            num_probes=4,
+            estimator="hutch++",
+        )
+    with pytest.raises(ValueError, match=r"`trace_funm\(sampler=...\)` must be one of"):
+        unchecked_trace(
+            jnp.log, A, key, 2, num_probes=4, estimator="krylov-aware", sampler="x"
+        )
