@@ -23,8 +23,9 @@ estimator. Measured:
 
 Run `python benchmarks/bench_trace.py` (long: the statistics alone took about 40
 minutes on a shared 2-core machine, mostly the many keys of the gradient runs) or
-`--quick` (a smoke run of small sizes, still several minutes, mostly compiling). Results go to `--out` (default `benchmarks/out/trace`):
-`results.json` and `results.md`.
+`--quick` (a smoke run of small sizes, still several minutes, mostly compiling).
+Results go to `--out` (default `benchmarks/out/trace`): `results.json` and
+`results.md`.
 """
 
 import argparse
