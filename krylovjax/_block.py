@@ -62,13 +62,17 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 from jaxtyping import Array, Inexact
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
-from ._funm import _check_callable, _divided_differences, _scalar_function
+from ._funm import (
+    _check_callable,
+    _divided_differences,
+    _scalar_function,
+    function_tangent,
+)
 from ._operator import AbstractOperator, as_operator
 from ._orthogonal import (
     BREAKDOWN,
@@ -646,29 +650,7 @@ def _funm_columns_jvp(primals, tangents):
         terms = terms + (F * E) @ G
     if t_C is not None:
         terms = terms + vc[:, None] * (conj(Vc).T @ t_C.astype(dtype))
-    dvalues = _function_tangent(fn, t_fn, lam)
+    dvalues = function_tangent(fn, t_fn, lam)
     if dvalues is not None:
         terms = terms + dvalues.astype(dtype)[:, None] * G
     return out, Vc @ terms
-
-
-def _function_tangent(fn: Callable, t_fn: Any, lam: Array) -> Array | None:
-    """The tangent of `fn(lam)` from the tangents of the leaves `fn` holds (what it
-    closes over), or `None` when none has one."""
-    leaves, treedef = jtu.tree_flatten(fn)
-    t_leaves = treedef.flatten_up_to(t_fn)
-    wanted = {
-        i: jnp.asarray(p)
-        for i, (p, t) in enumerate(zip(leaves, t_leaves, strict=True))
-        if t is not None
-    }
-    if not wanted:
-        return None
-
-    def fn_of(diff):
-        new = [diff.get(i, leaf) for i, leaf in enumerate(leaves)]
-        return jtu.tree_unflatten(treedef, new)(lam)
-
-    t_wanted = {i: jnp.asarray(t_leaves[i], p.dtype) for i, p in wanted.items()}
-    _, dvalues = jax.jvp(fn_of, (wanted,), (t_wanted,))
-    return dvalues

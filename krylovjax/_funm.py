@@ -659,9 +659,17 @@ def _funm_e0_jvp(primals, tangents):
         E = (V.T @ dT @ V).astype(dtype)
         F = _divided_differences(lam, values, derivatives)
         terms = (F * E) @ wc
-    # The leaves of `fn` with a tangent: what it closes over and is differentiated
-    # in. Chosen by their tangents, not by type: a closed-over Python float that
-    # `grad` traces arrives here as a scalar that is not an array, with a tangent.
+    dvalues = function_tangent(fn, t_fn, lam)
+    if dvalues is not None:
+        terms = terms + dvalues.astype(dtype) * wc
+    return out, Vc @ terms
+
+
+def function_tangent(fn: Callable, t_fn: Any, lam: Array) -> Array | None:
+    """The tangent of `fn(lam)` from the tangents of the leaves `fn` holds (what it
+    closes over), or `None` when none has one. The leaves are chosen by their
+    tangents, not by type: a closed-over Python float that `grad` traces arrives
+    as a scalar that is not an array, with a tangent."""
     leaves, treedef = jtu.tree_flatten(fn)
     t_leaves = treedef.flatten_up_to(t_fn)
     wanted = {
@@ -669,16 +677,16 @@ def _funm_e0_jvp(primals, tangents):
         for i, (p, t) in enumerate(zip(leaves, t_leaves, strict=True))
         if t is not None
     }
-    if wanted:
+    if not wanted:
+        return None
 
-        def fn_of(diff):
-            new = [diff.get(i, leaf) for i, leaf in enumerate(leaves)]
-            return jtu.tree_unflatten(treedef, new)(lam)
+    def fn_of(diff):
+        new = [diff.get(i, leaf) for i, leaf in enumerate(leaves)]
+        return jtu.tree_unflatten(treedef, new)(lam)
 
-        t_wanted = {i: jnp.asarray(t_leaves[i], p.dtype) for i, p in wanted.items()}
-        _, dvalues = jax.jvp(fn_of, (wanted,), (t_wanted,))
-        terms = terms + dvalues.astype(dtype) * wc
-    return out, Vc @ terms
+    t_wanted = {i: jnp.asarray(t_leaves[i], p.dtype) for i, p in wanted.items()}
+    _, dvalues = jax.jvp(fn_of, (wanted,), (t_wanted,))
+    return dvalues
 
 
 def _eigh(diagonal: Array, off_diagonal: Array) -> tuple[Array, Array, Array]:

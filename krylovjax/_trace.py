@@ -39,7 +39,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 from jax.experimental import sparse
@@ -62,6 +61,7 @@ from ._funm import (
     _result_dtype,
     _scalar_function,
     _working_dtype,
+    function_tangent,
 )
 from ._lanczos import lanczos_in_working_dtype
 from ._operator import AbstractOperator
@@ -601,22 +601,8 @@ def _weighted_trace_jvp(primals, tangents):
         E = (V.T @ t_T @ V).astype(dtype)
         F = _divided_differences(lam, values, derivatives)
         tangent = tangent + jnp.sum(F * E * W)
-    # The leaves of `fn` with a tangent, as in `_funm._funm_e0_jvp`.
-    leaves, treedef = jtu.tree_flatten(fn)
-    t_leaves = treedef.flatten_up_to(t_fn)
-    wanted = {
-        i: jnp.asarray(p)
-        for i, (p, t) in enumerate(zip(leaves, t_leaves, strict=True))
-        if t is not None
-    }
-    if wanted:
-
-        def fn_of(diff):
-            new = [diff.get(i, leaf) for i, leaf in enumerate(leaves)]
-            return jtu.tree_unflatten(treedef, new)(lam)
-
-        t_wanted = {i: jnp.asarray(t_leaves[i], p.dtype) for i, p in wanted.items()}
-        _, dvalues = jax.jvp(fn_of, (wanted,), (t_wanted,))
+    dvalues = function_tangent(fn, t_fn, lam)
+    if dvalues is not None:
         tangent = tangent + jnp.sum(dvalues.astype(dtype) * weights)
     return out, tangent
 
