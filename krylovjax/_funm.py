@@ -79,6 +79,7 @@ from ._orthogonal import (
     last_step,
     working_dtype,
 )
+from ._sharding import auto_types, explicit_mesh
 from ._typing import OperatorLike, StaticInt
 
 METHODS = ("lanczos", "arnoldi", "chebyshev")
@@ -356,9 +357,12 @@ def funm_action(
         y = chebyshev_action(f, A, b, d, interval, adjoint)
         return y.astype(_result_dtype(b.dtype, y.dtype))
     # The decomposition checks its arguments again; this names `funm_action`.
-    _, b_promoted, d = check_problem(
+    operator, b_promoted, d = check_problem(
         A, b, d, reorthogonalize, adjoint, fn_name, vector="b"
     )
+    # The stop test's functions are called inside the decomposition, which runs
+    # with a mesh's axes `Auto` (`_orthogonal.on_mesh`): converted for that.
+    inside = auto_types(explicit_mesh(operator, b_promoted))
     arg = f"{fn_name}(f=...)"
     # For a zero `b` the small matrix is evaluated as the identity instead (its
     # result is multiplied by zero): f(0) may be infinite, log(0) say.
@@ -369,14 +373,15 @@ def funm_action(
             dec = lanczos_in_working_dtype(A, b, d, **options)
         else:
             real = _working_dtype(jnp.finfo(b_promoted.dtype).dtype)
-            fns = tuple(
-                _scalar_function(
-                    f, jnp.zeros((int(n),), real), arg, _MATRIX_FUNCTION_HINT
+            with inside:
+                fns = tuple(
+                    _scalar_function(
+                        f, jnp.zeros((int(n),), real), arg, _MATRIX_FUNCTION_HINT
+                    )
+                    for n in block_sizes(d)
                 )
-                for n in block_sizes(d)
-            )
-            small = (jnp.zeros((d,), real), jnp.zeros((d - 1,), real))
-            stop = tolerance(_LanczosCoefficients(fns), small, d, tol)
+                small = (jnp.zeros((d,), real), jnp.zeros((d - 1,), real))
+                stop = tolerance(_LanczosCoefficients(fns), small, d, tol)
             dec, estimate = lanczos_with_stop(A, b, d, stop, **options)
         work = _working_dtype(dec.diagonal.dtype)
         nonzero = dec.norm != 0
@@ -396,13 +401,13 @@ def funm_action(
         if tol is None:
             dec = arnoldi_in_working_dtype(A, b, d, **options)
         else:
-            H0 = jnp.zeros((d, d), work)
-            fns = tuple(
-                closure_convert(f, jnp.zeros((int(n), int(n)), work))
-                for n in block_sizes(d)
-            )
-            coefficients = _ArnoldiCoefficients(fns)
-            stop = tolerance(coefficients, H0, d, tol)
+            with inside:
+                fns = tuple(
+                    closure_convert(f, jnp.zeros((int(n), int(n)), work))
+                    for n in block_sizes(d)
+                )
+                H0 = jnp.zeros((d, d), work)
+                stop = tolerance(_ArnoldiCoefficients(fns), H0, d, tol)
             dec, estimate = arnoldi_with_stop(A, b, d, stop, **options)
         H = jnp.where(
             dec.norm != 0, dec.hessenberg.astype(work), jnp.eye(d, dtype=work)

@@ -19,6 +19,7 @@ The questions the algorithms ask are:
   (`on_common_mesh`) and the products run.
 """
 
+import contextlib
 from typing import Any
 
 import equinox as eqx
@@ -74,6 +75,17 @@ def explicit_mesh(*trees: Any, split: bool = False) -> Any:
         if is_split(x) if split else is_explicit(x):
             return _sharding_of(x).mesh
     return None
+
+
+def auto_types(mesh: Any) -> Any:
+    """A context in which new arrays are typed as inside `_orthogonal.on_mesh`'s
+    `auto_axes` region on `mesh` (every axis `Auto`); a null context for no mesh.
+    For functions closure-converted outside that region and called inside it."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    abstract = mesh.abstract_mesh
+    auto = {name: jax.sharding.AxisType.Auto for name in abstract.axis_names}
+    return jax.sharding.use_abstract_mesh(abstract.update_axis_types(auto))
 
 
 def typed_like(y: Array, like: Array) -> Array:

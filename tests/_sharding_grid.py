@@ -45,7 +45,8 @@ equivalent:
   batch of `b` starting vectors, `jax.vmap` over its columns (split over the
   devices). `funm_action` takes `jnp.exp` with Lanczos and a polynomial of the
   small matrix with Arnoldi (a matrix function: `expm` compiles three times
-  slower);
+  slower), with a fixed depth or with `tol=1e-8` (its value: the report has no
+  derivative);
 - `trace_funm` draws its probes from a key: `x0` is the probes' layout, and the
   probes are drawn replicated; `"rows"` passes `like=` an array of one probe's
   shape split by rows (the probes take its dtype only), and `"block"` estimates
@@ -175,7 +176,12 @@ FUNCTIONS: dict[str, dict] = {
     "lanczos": dict(operators=OPERATORS, options=dict(adjoint=DECOMPOSITION_ADJOINTS)),
     "funm_action": dict(
         operators=OPERATORS,
-        options=dict(method=("lanczos", "arnoldi"), adjoint=DECOMPOSITION_ADJOINTS),
+        options=dict(
+            method=("lanczos", "arnoldi"),
+            adjoint=DECOMPOSITION_ADJOINTS,
+            # "none" for `tol=None`: a dimension's value is never None (unset).
+            tol=("none", 1e-8),
+        ),
     ),
     "trace_funm": dict(
         operators=OPERATORS, options=dict(adjoint=DECOMPOSITION_ADJOINTS)
@@ -379,6 +385,21 @@ TARGETED = (
             (("funm_action", "trace_funm"), "module", "replicated"),
         )
         for function in functions
+    ),
+    # `funm_action(tol=...)` inside `jax.set_mesh` on an explicit mesh: the stop
+    # test's functions, made before the decomposition, are called in its region
+    # with every axis `Auto`.
+    *(
+        _cell(
+            "funm_action",
+            "explicit",
+            "dense",
+            "rows",
+            "rows",
+            context="inside",
+            options={"tol": 1e-8, "method": method},
+        )
+        for method in ("lanczos", "arnoldi")
     ),
     # A block split by rows (`"block_rows"`, `P("x", None)`, beyond the grid's x0
     # layouts): the graph layout, stored entries and node features split by rows,
@@ -588,19 +609,24 @@ class Problem:
         if f in ("arnoldi", "lanczos", "funm_action"):
             A = self.operator_of(a)
 
+            tol = None if options.get("tol", "none") == "none" else options["tol"]
+
             def one(x0):
                 if f == "funm_action":
                     # A scalar function for Lanczos, a matrix function for Arnoldi
                     # (a polynomial: `expm` compiles three times slower).
                     fn = jnp.exp if options["method"] == "lanczos" else _polynomial
-                    return krylovjax.funm_action(
+                    out = krylovjax.funm_action(
                         fn,
                         A,
                         x0,
                         d,
                         method=options["method"],
                         adjoint=options["adjoint"],
+                        tol=tol,
                     )
+                    # With a tolerance, the value (the report has no derivative).
+                    return out if tol is None else out[0]
                 return getattr(krylovjax, f)(A, x0, d, adjoint=options["adjoint"])
 
             x0 = a["x0"]
@@ -711,7 +737,7 @@ def _program(prob, options, modes):
 
 
 def _modes(cell):
-    if any("custom_vjp" in value for value in cell["options"].values()):
+    if "custom_vjp" in cell["options"].values():
         return ("value", "grad")  # reverse mode only
     return ("value", "grad", "jvp")
 
@@ -743,7 +769,9 @@ def _reference_operator(function, operator):
 def _reference_options(function, options):
     if function == "readout":
         return (("basis", options["basis"]),)
-    return (("method", options["method"]),) if function == "funm_action" else ()
+    if function == "funm_action":
+        return (("method", options["method"]), ("tol", options["tol"]))
+    return ()
 
 
 # The functions whose block `x0` is `B` independent problems (the columns of a
