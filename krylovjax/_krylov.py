@@ -20,6 +20,7 @@ from ._bases import AbstractBasis, basis_coefficients
 from ._checks import as_array, check_choice, check_depth, check_output_size
 from ._doubling import choose_method, krylov_doubling, krylov_doubling_custom_vjp
 from ._operator import AbstractOperator, as_operator
+from ._partition import PartitionedOperator, krylov_matrix_powers
 from ._scan import (
     basis_custom_jvp,
     basis_scan,
@@ -88,7 +89,11 @@ def krylov(
         values of the JAX arrays it closes over: one that puts such an array in its
         output (a padding `jnp.zeros(1)` made outside it, a `jnp.where` fill) is
         taken to add a term, even if it holds zeros; make those zeros inside the
-        callable (`jnp.zeros_like(x[:1])`, or the literal `0.0`).
+        callable (`jnp.zeros_like(x[:1])`, or the literal `0.0`). A
+        [`krylovjax.PartitionedOperator`][] made with `steps=s > 1` builds the
+        monomial basis in blocks of $s$ products per halo exchange (the matrix
+        powers kernel), differentiated by JAX's rules through the blocks
+        (`adjoint=None` or `"autodiff"`).
     - `x0`: the starting vector `(n,)`, or a block of `b` starting vectors
         `(n, b)`. For a callable `A`, any shape with at least one axis. Must be
         floating point or complex: integer and boolean arrays raise a `TypeError`
@@ -185,6 +190,9 @@ def krylov(
     if basis is not None:
         xs = _in_basis(operator, x0, d, basis, adjoint, method)
         return xs if layout == "rows" else jnp.moveaxis(xs, 0, 1)
+    if isinstance(A, PartitionedOperator) and A.steps > 1:
+        xs = _matrix_powers(A, x0, d, adjoint, method)
+        return xs if layout == "rows" else jnp.moveaxis(xs, 0, 1)
     if method == "auto":
         # Doubling has a reverse-mode rule only: an explicit request for forward
         # mode keeps the scan.
@@ -221,6 +229,21 @@ def _in_basis(operator, x0, d, basis, adjoint, method) -> Array:
         )
         raise ValueError(msg)
     return x0[None] if d == 1 else build(operator, x0, (a, b, c), d)
+
+
+def _matrix_powers(A, x0, d, adjoint, method) -> Array:
+    """The stack for a `PartitionedOperator` with `steps > 1`: blocks of `steps`
+    products per exchange (`_partition.krylov_matrix_powers`)."""
+    if method == "doubling" or adjoint not in (None, "autodiff"):
+        msg = (
+            f"`krylov(A=...)`, a `PartitionedOperator` with steps={A.steps}, is "
+            "built in blocks of products with JAX's derivatives: it takes "
+            f"`method='scan'` and `adjoint=None` or `'autodiff'`; got "
+            f"method={method!r}, adjoint={adjoint!r}. For the hand-written rules "
+            "use `GraphPartition.operator(mesh, steps=1)`."
+        )
+        raise ValueError(msg)
+    return x0[None] if d == 1 else krylov_matrix_powers(A, x0, d)
 
 
 def auto_method(

@@ -51,7 +51,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, resh
 from jaxtyping import Array, ArrayLike, Inexact, Int, Shaped
 
 from ._checks import check_inexact
-from ._sharding import explicit_mesh, typed_like
+from ._sharding import explicit_mesh, is_explicit, typed_like
 from ._sparse import spmv
 
 
@@ -65,7 +65,9 @@ class PartitionedOperator(eqx.Module):
     adjacency of [`krylovjax.nn.KrylovGraphConv`][]. `values` is its only
     floating-point array: gradients with respect to the operator reach it, and
     [`krylovjax.GraphPartition.from_partitioned_values`][] maps them back to
-    the input's entries.
+    the input's entries. Made with `steps=s > 1`, it also holds the layout of
+    the matrix powers kernel: `matrix_powers` and `krylov`'s monomial basis then
+    exchange halos $s$ hops deep once per $s$ products.
 
     !!! Example
 
@@ -96,6 +98,13 @@ class PartitionedOperator(eqx.Module):
     mesh: Mesh = eqx.field(static=True)
     axis: str = eqx.field(static=True)
     n_local: int = eqx.field(static=True)
+    powers: "_Powers | None" = None
+
+    @property
+    def steps(self) -> int:
+        """The products per exchange of [`krylovjax.krylov`][]'s monomial basis and
+        of `matrix_powers` (`GraphPartition.operator(steps=...)`); 1 by default."""
+        return 1 if self.powers is None else self.powers.steps
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -124,6 +133,105 @@ class PartitionedOperator(eqx.Module):
         return eqx.tree_at(lambda op: op.values, self, values)
 
     def __call__(self, x: Shaped[Array, "n ..."]) -> Shaped[Array, "n ..."]:
+        self._check_vector(x)
+        local = partial(
+            _local_product, axis=self.axis, pairs=self.pairs, n_local=self.n_local
+        )
+        spec = P(self.axis)
+        in_specs = (spec, spec, spec, (spec,) * len(self.sends), spec)
+        product = self._shard_map(local, in_specs, spec)
+        y = product(self.values, self.rows, self.cols, self.sends, self._split(x))
+        return typed_like(y, x)
+
+    def matrix_powers(self, x: Shaped[Array, "n ..."]) -> Shaped[Array, "s n ..."]:
+        r"""$[A x, A^2 x, \dots, A^s x]$, of shape `(s, *x.shape)` with $s$ =
+        `steps`, from one exchange of the rows of `x` within $s$ hops of each
+        device's rows (and one of the values of the entries within $s - 1$
+        hops): the matrix powers kernel. Each device repeats its neighbours'
+        products near the cut, so this pays where an exchange costs more than
+        those products. Differentiable like the product; with `steps=1`, $A x$
+        with a new axis.
+
+        !!! Example
+
+            ```python
+            >>> import jax, jax.numpy as jnp, numpy as np
+            >>> from jax.experimental import sparse
+            >>> import krylovjax
+            >>> A = sparse.BCOO.fromdense(jnp.array([[0.0, 1.0], [1.0, 0.0]]))
+            >>> part = krylovjax.partition_graph(A, 1, order=None)
+            >>> op = part.operator(jax.make_mesh((1,), ("x",)), steps=3)
+            >>> op.matrix_powers(jnp.array([1.0, 2.0]))
+            Array([[2., 1.],
+                   [1., 2.],
+                   [2., 1.]], dtype=float32)
+
+            ```
+        """
+        self._check_vector(x)
+        if self.powers is None:
+            return self(x)[None]
+        return self._powers_with(self._extended_values(), x, self.steps)
+
+    def _extended_values(self) -> Inexact[Array, "parts entries"]:
+        """The values of `matrix_powers`' extended entries: each device's own
+        followed by those it receives (one exchange). `krylov`
+        makes it once per call and passes it to `_powers_with` for every block
+        of `steps` products."""
+        powers = self.powers
+        if powers is None:
+            return self.values
+        local = partial(_local_values, axis=self.axis, pairs=powers.value_pairs)
+        spec = P(self.axis)
+        exchange = self._shard_map(
+            local, (spec, (spec,) * len(powers.value_sends)), spec
+        )
+        return exchange(self.values, powers.value_sends)
+
+    def _powers_with(
+        self,
+        values: Inexact[Array, "parts entries"],
+        x: Shaped[Array, "n ..."],
+        count: int,
+    ) -> Shaped[Array, "count n ..."]:
+        """`matrix_powers(x)[:count]` (`count <= steps`) with the extended values
+        `values` from `_extended_values()`: one exchange of `x`'s halo."""
+        powers = self.powers
+        assert powers is not None and 1 <= count <= powers.steps
+        local = partial(
+            _local_powers,
+            axis=self.axis,
+            pairs=powers.x_pairs,
+            n_local=self.n_local,
+            count=count,
+        )
+        spec = P(self.axis)
+        in_specs = (spec, spec, spec, (spec,) * len(powers.x_sends), spec)
+        product = self._shard_map(local, in_specs, P(None, self.axis))
+        ys = product(values, powers.rows, powers.cols, powers.x_sends, self._split(x))
+        if not is_explicit(x):
+            return ys
+        # Each vector typed like `x`, as the product's result (`typed_like`).
+        like = jax.typeof(x).sharding
+        return reshard(ys, like.update(spec=P(None, *like.spec)))
+
+    def _shard_map(self, local, in_specs, out_specs):
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            check_vma=False,
+        )
+
+    def _split(self, x: Array) -> Array:
+        """`x`, on an `Explicit` mesh (where arrays are typed) resharded by rows
+        for the products; unchanged on an `Auto` mesh."""
+        if AxisType.Explicit not in self.mesh.axis_types:
+            return x
+        return reshard(x, NamedSharding(self.mesh, P(self.axis)))
+
+    def _check_vector(self, x: Any) -> None:
         if x.ndim < 1 or x.shape[0] != self.shape[0]:
             msg = (
                 f"A `PartitionedOperator` of shape {self.shape} must be applied to an "
@@ -131,43 +239,81 @@ class PartitionedOperator(eqx.Module):
                 f"`GraphPartition.to_partitioned`); got shape {x.shape}."
             )
             raise ValueError(msg)
-        spec = P(self.axis)
-        local = partial(
-            _local_product,
-            axis=self.axis,
-            pairs=self.pairs,
-            n_local=self.n_local,
-        )
-        product = jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=(spec, spec, spec, (spec,) * len(self.sends), spec),
-            out_specs=spec,
-            check_vma=False,
-        )
-        if AxisType.Explicit not in self.mesh.axis_types:
-            return product(self.values, self.rows, self.cols, self.sends, x)
-        # On an `Explicit` mesh the vector is typed: split by rows for the product,
-        # and the result typed like `x` (no-ops for `x` split by rows already).
-        rows = NamedSharding(self.mesh, P(self.axis))
-        y = product(self.values, self.rows, self.cols, self.sends, reshard(x, rows))
-        return typed_like(y, x)
+
+
+def krylov_matrix_powers(op: PartitionedOperator, x0: Array, d: int) -> Array:
+    """`krylov`'s stack `(d, *x0.shape)` for an operator with `steps = s > 1`: one
+    `lax.scan` over blocks of `s` products, each from one exchange of `x`'s deep
+    halo, after one exchange of the values; JAX's derivatives (through the
+    `ppermute`s and the sparse products, as for the product itself)."""
+    values = op._extended_values()
+    full, rest = divmod(d - 1, op.steps)
+
+    def block(x, _):
+        ys = op._powers_with(values, x, op.steps)
+        return ys[-1], ys
+
+    x, stack = x0, [x0[None]]
+    if full:
+        x, ys = lax.scan(block, x0, length=full)
+        stack.append(ys.reshape(full * op.steps, *x0.shape))
+    if rest:
+        stack.append(op._powers_with(values, x, rest))
+    return jnp.concatenate(stack)
+
+
+class _Powers(eqx.Module):
+    """What `PartitionedOperator.matrix_powers` adds to the operator (see
+    `_powers_layout`): the extended entries' rows and columns, and the send lists
+    of the deeper halo of `x` and of the received entries' values."""
+
+    rows: Int[Array, "parts entries"]
+    cols: Int[Array, "parts entries"]
+    x_sends: tuple[Int[Array, "parts _"], ...]
+    value_sends: tuple[Int[Array, "parts _"], ...]
+    x_pairs: tuple[tuple[tuple[int, int], ...], ...] = eqx.field(static=True)
+    value_pairs: tuple[tuple[tuple[int, int], ...], ...] = eqx.field(static=True)
+    steps: int = eqx.field(static=True)
+
+
+def _received(x, sends, *, axis, pairs):
+    """The rows `x[send]` that each device receives over each shift (zeros from a
+    device with nothing to send)."""
+    return [
+        lax.ppermute(x[send[0]], axis, perm=list(perm))
+        for perm, send in zip(pairs, sends, strict=True)
+    ]
 
 
 def _local_product(values, rows, cols, sends, x, *, axis, pairs, n_local):
     """One device's rows of $A x$: receive the halo rows over each shift (from the
     devices that have any for it; the others receive zeros, which no entry reads),
     append them to the local rows, and multiply by the local entries."""
-    received = [
-        lax.ppermute(x[send[0]], axis, perm=list(perm))
-        for perm, send in zip(pairs, sends, strict=True)
-    ]
-    extended = jnp.concatenate([x, *received], axis=0) if received else x
+    extended = jnp.concatenate([x, *_received(x, sends, axis=axis, pairs=pairs)])
     indices = jnp.stack([rows[0], cols[0]], axis=1)
     # A square product over the extended rows (the sparse product's tangent has the
     # shape of its input), of which the first `n_local` rows are this device's.
     y = spmv(values[0], indices, extended, extended.shape[0], False, True)
     return y[:n_local]
+
+
+def _local_values(values, sends, *, axis, pairs):
+    """One device's extended values: its own, then those it receives."""
+    received = _received(values[0], sends, axis=axis, pairs=pairs)
+    return jnp.concatenate([values[0], *received])[None]
+
+
+def _local_powers(values, rows, cols, sends, x, *, axis, pairs, n_local, count):
+    """One device's rows of $A x, \\dots, A^{count} x$: receive the deep halo once,
+    then `count` products over the extended entries (product $k$ is exact within
+    `steps - k` hops of the device's rows, which include its own)."""
+    z = jnp.concatenate([x, *_received(x, sends, axis=axis, pairs=pairs)])
+    indices = jnp.stack([rows[0], cols[0]], axis=1)
+    ys = []
+    for _ in range(count):
+        z = spmv(values[0], indices, z, z.shape[0], False, False)
+        ys.append(z[:n_local])
+    return jnp.stack(ys)
 
 
 class GraphPartition:
@@ -207,13 +353,19 @@ class GraphPartition:
         ```
     """
 
-    def __init__(self, *, num_nodes, num_parts, n_local, order, entries, layout):
+    def __init__(
+        self, *, num_nodes, num_parts, n_local, order, entries, layout, partitioned
+    ):
         self.num_nodes = num_nodes
         self.num_parts = num_parts
         self.n_local = n_local
         self.order = order
         self._entries = entries  # per input entry: its slot in the (P, m) layout
         self._layout = layout  # rows, cols, sends, shifts, halo, values
+        # The entries' rows, columns (partitioned numbering) and slots, from which
+        # `operator(steps=...)` makes the layout of the matrix powers kernel.
+        self._partitioned = partitioned
+        self._powers: dict[int, dict] = {}
         self.halo = layout["halo"]
         self.shifts = layout["shifts"]
         self._inverse = np.empty(num_nodes, np.int64)
@@ -238,6 +390,35 @@ class GraphPartition:
             )
         )
         return rows * width * np.dtype(dtype).itemsize
+
+    def bytes_per_exchange(
+        self, width: int = 1, dtype: Any = np.float32, steps: int = 1
+    ) -> int:
+        """The bytes of one exchange of `operator(mesh, steps=steps)`'s
+        `matrix_powers` (and of each block of `steps` products of
+        [`krylovjax.krylov`][] with it), summed over the devices, for vectors of
+        `width` columns of `dtype`: the rows within `steps` hops of each device's
+        rows, padded per shift as for `bytes_per_product` (which it equals for
+        `steps=1`). Not counted: one exchange per call of the values of the
+        entries within `steps - 1` hops."""
+        steps = _check_steps(steps, "GraphPartition.bytes_per_exchange")
+        if steps == 1:
+            return self.bytes_per_product(width, dtype)
+        plan = self._powers_layout(steps)["x"]
+        rows = sum(
+            len(pairs) * send.shape[1]
+            for pairs, send in zip(plan["pairs"], plan["sends"], strict=True)
+        )
+        return rows * width * np.dtype(dtype).itemsize
+
+    def _powers_layout(self, steps: int) -> dict:
+        if steps not in self._powers:
+            rows, cols, slots = self._partitioned
+            m = self._layout["rows"].shape[1]
+            self._powers[steps] = _powers_layout(
+                rows, cols, slots, self.num_parts, self.n_local, m, steps
+            )
+        return self._powers[steps]
 
     def to_partitioned(self, x: ArrayLike) -> Array:
         """`x` of shape `(n, ...)` in the input numbering as `(P * n_local, ...)` in
@@ -301,7 +482,9 @@ class GraphPartition:
             raise ValueError(msg)
         return _permute_rows(values.reshape(-1), jnp.asarray(self._entries))
 
-    def operator(self, mesh: Mesh, axis: str | None = None) -> PartitionedOperator:
+    def operator(
+        self, mesh: Mesh, axis: str | None = None, *, steps: int = 1
+    ) -> PartitionedOperator:
         r"""The matrix as a [`krylovjax.PartitionedOperator`][] on `mesh`.
 
         **Arguments:**
@@ -310,6 +493,13 @@ class GraphPartition:
             processes) whose axis `axis` has `num_parts` devices.
         - `axis`: the mesh axis the rows are split over; may be omitted for a mesh
             with one axis.
+        - `steps`: $s \ge 1$, products per exchange for [`krylovjax.krylov`][]'s
+            monomial basis and `PartitionedOperator.matrix_powers` (the matrix
+            powers kernel): each device receives the rows within $s$ hops of its
+            own once per $s$ products and repeats its neighbours' products near
+            the cut. Every other use (a single product, the bases, the readouts,
+            the decompositions) makes one exchange per product, whatever
+            `steps`.
 
         **Returns:**
 
@@ -343,8 +533,21 @@ class GraphPartition:
                 + ("." if size is None else f", {axis!r} of size {size}.")
             )
             raise ValueError(msg)
+        steps = _check_steps(steps, "GraphPartition.operator")
         layout = self._layout
         sharding = NamedSharding(mesh, P(axis))
+        powers = None
+        if steps > 1:
+            deep = self._powers_layout(steps)
+            powers = _Powers(
+                rows=_place(deep["rows"], sharding),
+                cols=_place(deep["cols"], sharding),
+                x_sends=tuple(_place(s, sharding) for s in deep["x"]["sends"]),
+                value_sends=tuple(_place(s, sharding) for s in deep["values"]["sends"]),
+                x_pairs=deep["x"]["pairs"],
+                value_pairs=deep["values"]["pairs"],
+                steps=steps,
+            )
         return PartitionedOperator(
             values=_place(layout["values"], sharding),
             rows=_place(layout["rows"], sharding),
@@ -354,7 +557,15 @@ class GraphPartition:
             mesh=mesh,
             axis=axis,
             n_local=self.n_local,
+            powers=powers,
         )
+
+
+def _check_steps(steps: Any, fn_name: str) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        msg = f"`{fn_name}(steps=...)` must be an integer >= 1; got {steps!r}."
+        raise ValueError(msg)
+    return int(steps)
 
 
 def _checked_values(values: Any, shape: tuple, arg: str, what: str) -> Array:
@@ -490,7 +701,8 @@ def partition_graph(
     n_local = max(1, -(-n // num_parts))
     inverse = np.empty(n, np.int64)
     inverse[perm] = np.arange(n)
-    layout, slots = _layout(inverse[rows], inverse[cols], values, num_parts, n_local)
+    rows, cols = inverse[rows], inverse[cols]
+    layout, slots = _layout(rows, cols, values, num_parts, n_local)
     # Every stored entry's slot; a dropped one gets its own slot past the end.
     entries = layout["rows"].size + np.arange(inside.size)
     entries[inside] = slots
@@ -501,6 +713,7 @@ def partition_graph(
         order=perm,
         entries=entries,
         layout=layout,
+        partitioned=(rows, cols, slots),
     )
 
 
@@ -563,48 +776,64 @@ def _entries_of(A: Any) -> tuple:
     return rows[inside], cols[inside], values[inside], n, inside
 
 
+def _exchange(receiver, sender, item, parts: int) -> tuple[dict, np.ndarray]:
+    """How to move items between the devices: device `receiver[k]` needs item
+    `item[k]` (an index into device `sender[k]`'s local array; the triples are
+    distinct, `receiver != sender`).
+
+    Returns `(plan, position)`. `plan` has `shifts` (each shift $s$ over which any
+    item moves: device $j$ sends to $j + s$), `sends` (per shift, a `(P, length)`
+    array: the items that each device sends, padded to the shift's longest list),
+    `pairs` (per shift, the `(sender, receiver)` pairs that send anything) and
+    `halo` (`halo[i, j]`, the items device `i` receives from `j`). `position[k]`
+    is where need `k` lands in its receiver's buffer, the received lists
+    concatenated shift after shift (sorted by item within a shift)."""
+    receiver, sender, item = (np.asarray(a, np.int64) for a in (receiver, sender, item))
+    shift = (receiver - sender) % parts
+    group = receiver * parts + shift
+    order = np.lexsort((item, group))
+    first = np.searchsorted(group[order], group[order], side="left")
+    rank = np.empty(group.size, np.int64)
+    rank[order] = np.arange(group.size) - first
+    halo = np.bincount(receiver * parts + sender, minlength=parts * parts)
+    halo = halo.reshape(parts, parts)
+    i = np.arange(parts)
+    shifts = tuple(s for s in range(1, parts) if halo[i, (i - s) % parts].max() > 0)
+    offset = np.zeros(parts, np.int64)
+    sends, start = [], 0
+    for s in shifts:
+        length = int(halo[i, (i - s) % parts].max())
+        send = np.zeros((parts, length), np.int32)
+        here = shift == s
+        send[sender[here], rank[here]] = item[here]
+        sends.append(send)
+        offset[s], start = start, start + length
+    pairs = tuple(
+        tuple((j, (j + s) % parts) for j in range(parts) if halo[(j + s) % parts, j])
+        for s in shifts
+    )
+    plan = {"shifts": shifts, "sends": sends, "pairs": pairs, "halo": halo}
+    return plan, offset[shift] + rank
+
+
 def _layout(rows, cols, values, parts: int, n_local: int) -> tuple[dict, np.ndarray]:
     """The `(P, m)` entry layout, the send lists per shift and the halo matrix, from
     the entries' rows and columns in the partitioned numbering."""
     owner, col_owner = rows // n_local, cols // n_local
     remote = owner != col_owner
-    # Each device's halo: the distinct remote columns its rows read, grouped by
-    # shift and sorted by column within a shift.
-    shift = (owner - col_owner) % parts
+    # Each device's halo: the distinct remote columns its rows read.
     span = parts * n_local
-    keys = (owner * parts + shift) * span + cols  # sorted like (owner, shift, col)
-    need_keys = np.unique(keys[remote])
-    group, need_cols = np.divmod(need_keys, span)
-    need = np.stack([group // parts, group % parts, need_cols], 1)
-    senders = (need[:, 0] - need[:, 1]) % parts
-    halo = np.bincount(need[:, 0] * parts + senders, minlength=parts * parts)
-    halo = halo.reshape(parts, parts)
-    i = np.arange(parts)
-    shifts = tuple(s for s in range(1, parts) if halo[i, (i - s) % parts].max() > 0)
-    lengths = {s: int(halo[i, (i - s) % parts].max()) for s in shifts}
-    offset, start = {}, n_local
-    for s in shifts:
-        offset[s], start = start, start + lengths[s]
-    # Position of each needed column in its receiver's buffer for its shift.
-    first = np.searchsorted(group, group, side="left")
-    rank = np.arange(len(need)) - first
-    sends = []
-    pairs = tuple(
-        tuple((j, (j + s) % parts) for j in range(parts) if halo[(j + s) % parts, j])
-        for s in shifts
+    need_keys, need_of = np.unique(
+        owner[remote] * span + cols[remote], return_inverse=True
     )
-    for s in shifts:
-        send = np.zeros((parts, lengths[s]), np.int32)
-        here = need[:, 1] == s
-        receiver, c, r = need[here, 0], need[here, 2], rank[here]
-        send[(receiver - s) % parts, r] = c % n_local
-        sends.append(send)
-    # The extended column of every entry.
+    receiver, need_cols = np.divmod(need_keys, span)
+    plan, position = _exchange(
+        receiver, need_cols // n_local, need_cols % n_local, parts
+    )
+    # The extended column of every entry: its row of `x`, or of the received halo
+    # after the device's own `n_local` rows.
     ext = cols % n_local
-    if remote.any():
-        where = np.searchsorted(need_keys, keys[remote])
-        pos = np.array([offset.get(s, 0) for s in range(parts)], np.int64)
-        ext[remote] = pos[need[where, 1]] + rank[where]
+    ext[remote] = n_local + position[need_of.reshape(-1)]
     # Entries per device, sorted by (row, column); padded with rows past the block.
     sort = np.lexsort((ext, rows, owner))
     counts = np.bincount(owner, minlength=parts)
@@ -622,9 +851,78 @@ def _layout(rows, cols, values, parts: int, n_local: int) -> tuple[dict, np.ndar
         "rows": local_rows.reshape(parts, m),
         "cols": local_cols.reshape(parts, m),
         "values": local_values.reshape(parts, m),
-        "sends": sends,
-        "shifts": shifts,
-        "pairs": pairs,
-        "halo": halo,
+        **plan,
     }
     return layout, slots
+
+
+def _powers_layout(rows, cols, slots, parts: int, n_local: int, m: int, steps: int):
+    """The layout of `steps` products per exchange (the matrix powers kernel), from
+    the entries' rows and columns in the partitioned numbering and their `slots` in
+    the `(P, m)` layout.
+
+    Device $i$ receives, once per `steps` products, the rows of $x$ within `steps`
+    hops of its rows that other devices own, and, once per call, the values of
+    the entries of the rows within `steps - 1` hops that other devices own. Its
+    extended vector is its `n_local` rows followed by the received rows; its
+    extended entries are its own `m` slots followed by the received ones, with
+    their rows and columns in the extended vector (padding: a row past its end).
+    Product $k$ is then exact on the rows within `steps - k` hops, its own rows
+    included."""
+    from scipy.sparse import csr_matrix
+
+    span = parts * n_local
+    # reads @ mask: the columns that the rows in `mask` read.
+    reads = csr_matrix(
+        (np.ones(rows.size, np.float32), (cols, rows)), shape=(span, span)
+    )
+    by_row = np.argsort(rows, kind="stable")
+    starts = np.searchsorted(rows[by_row], np.arange(span + 1))
+    x_need, v_need = [], []  # (receiver, node) and (receiver, entry)
+    for p in range(parts):
+        level = np.full(span, -1, np.int64)  # hops from the device's rows
+        level[p * n_local : (p + 1) * n_local] = 0
+        for hop in range(1, steps + 1):
+            reached = reads @ (level >= 0).astype(np.float32) > 0
+            level[reached & (level < 0)] = hop
+        nodes = np.flatnonzero(level > 0)
+        x_need.append(np.stack([np.full(nodes.size, p), nodes], 1))
+        far = np.flatnonzero((level > 0) & (level < steps))
+        lo, count = starts[far], starts[far + 1] - starts[far]
+        first = np.repeat(lo - (np.cumsum(count) - count), count)
+        entries = by_row[first + np.arange(int(count.sum()))]
+        v_need.append(np.stack([np.full(entries.size, p), entries], 1))
+    x_need, v_need = np.concatenate(x_need), np.concatenate(v_need)
+    x_plan, x_position = _exchange(
+        x_need[:, 0], x_need[:, 1] // n_local, x_need[:, 1] % n_local, parts
+    )
+    v_rows = rows[v_need[:, 1]]
+    v_plan, v_position = _exchange(
+        v_need[:, 0], v_rows // n_local, slots[v_need[:, 1]] % m, parts
+    )
+    keys = x_need[:, 0] * span + x_need[:, 1]  # sorted: receiver, then node
+    n_ext = n_local + sum(send.shape[1] for send in x_plan["sends"])
+
+    def extended(receiver, nodes):
+        """The position of `nodes` in `receiver`'s extended vector."""
+        at = nodes % n_local
+        remote = nodes // n_local != receiver
+        found = np.searchsorted(keys, receiver[remote] * span + nodes[remote])
+        at[remote] = n_local + x_position[found]
+        return at
+
+    received = sum(send.shape[1] for send in v_plan["sends"])
+    ext_rows = np.full((parts, m + received), n_ext, np.int64)  # padding
+    ext_cols = np.zeros((parts, m + received), np.int64)
+    owner = rows // n_local
+    ext_rows[owner, slots % m] = rows % n_local
+    ext_cols[owner, slots % m] = extended(owner, cols)
+    receiver, entry = v_need[:, 0], v_need[:, 1]
+    ext_rows[receiver, m + v_position] = extended(receiver, rows[entry])
+    ext_cols[receiver, m + v_position] = extended(receiver, cols[entry])
+    return {
+        "rows": ext_rows.astype(np.int32),
+        "cols": ext_cols.astype(np.int32),
+        "x": x_plan,
+        "values": v_plan,
+    }

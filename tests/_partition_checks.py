@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import sparse  # noqa: E402
 
 D = 5  # Krylov depth
+POWERS = 3  # products per exchange of the matrix powers kernel (`steps=`)
 HOPS = 3  # KrylovGraphConv's hops
 STEPS = 2  # optax steps
 LEARNING_RATE = 1e-2
@@ -114,6 +115,14 @@ def computations(A, part=None, mesh=None):
 
     out["krylov_jvp"] = back(jax.jit(jvp)(op, values, x))
 
+    # Blocks of POWERS products per exchange (d - 1 = 4: one block and one
+    # product), with JAX's derivatives: the same values and gradients.
+    deep = None if part is None else part.operator(mesh, steps=POWERS)
+    (g_values, g_x), X = jax.jit(grad)(deep, values, x)
+    out["powers"] = back(X)
+    out["powers_grad_values"] = gather(g_values)
+    out["powers_grad_x0"] = back(g_x)
+
     lz = jax.jit(lambda op, v, x: krylovjax.lanczos(make(op, v), x, D))(op, values, x)
     out["lanczos_basis"] = back(lz.basis)
     out["lanczos_diagonal"] = gather(lz.diagonal)
@@ -156,13 +165,14 @@ def computations(A, part=None, mesh=None):
     return out
 
 
-def permuted_bytes(op, x) -> tuple[int, int]:
-    """`(bytes, others)`: the bytes that the compiled product `op(x)` sends by
+def permuted_bytes(fn, *args) -> tuple[int, int]:
+    """`(bytes, others)`: the bytes that the compiled `fn(*args)` sends by
     collective-permutes, summed over the devices (each instruction's per-device
-    result times its source-target pairs), and the number of other collectives."""
+    result times its source-target pairs, once however often a loop runs it),
+    and the number of other collectives."""
     import re
 
-    text = jax.jit(lambda op, x: op(x)).lower(op, x).compile().as_text()
+    text = jax.jit(fn).lower(*args).compile().as_text()
     total = others = 0
     sizes = {"f64": 8, "f32": 4, "s32": 4}
     for line in text.splitlines():
@@ -213,9 +223,23 @@ def main(process_id: int, num_processes: int, port: int, out_path: str) -> None:
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     block = jax.make_array_from_callback(block.shape, rows, lambda i: block[i])
     out["permuted_bytes"], out["other_collectives"] = permuted_bytes(
-        part.operator(mesh), block
+        lambda op, x: op(x), part.operator(mesh), block
     )
     out["expected_bytes"] = part.bytes_per_product(block.shape[1], block.dtype)
+    # `krylov` with one block of POWERS products, and with one more product: a
+    # block after the loop, with an exchange of its own (the values move once per
+    # call, and the loop's exchange is one instruction, however often it runs).
+    deep = part.operator(mesh, steps=POWERS)
+
+    def powers_bytes(d):
+        fn = lambda op, x: krylovjax.krylov(op, x, d)  # noqa: E731
+        return permuted_bytes(fn, deep, block)[0]
+
+    one, two = powers_bytes(1 + POWERS), powers_bytes(2 + POWERS)
+    out["powers_bytes"] = two - one
+    out["expected_powers_bytes"] = part.bytes_per_exchange(
+        block.shape[1], block.dtype, POWERS
+    )
     if process_id == 0:
         np.savez(out_path, **out)
 

@@ -75,6 +75,11 @@ def test_two_processes_match_one_device(tmp_path):
     assert got["halo"].sum() > 0
     assert got["permuted_bytes"] == got["expected_bytes"] > 0
     assert got["other_collectives"] == 0
+    # With `steps = s`, s more products of `krylov` cost one exchange of the halo
+    # s hops deep, and deeper halos move more rows per exchange but fewer per
+    # product.
+    assert got["powers_bytes"] == got["expected_powers_bytes"] > got["expected_bytes"]
+    assert got["expected_powers_bytes"] < checks.POWERS * got["expected_bytes"]
 
 
 def test_halo_of_a_path_graph():
@@ -83,6 +88,9 @@ def test_halo_of_a_path_graph():
     assert part.shifts == (1,)
     assert part.bytes_per_product(width=64, dtype=np.float32) == 2 * 64 * 4
     assert "num_parts=2" in repr(part)
+    # Halos s hops deep: s rows each way across the cut, for s products.
+    for steps in (1, 2, 3):
+        assert part.bytes_per_exchange(64, np.float32, steps) == steps * 2 * 64 * 4
 
 
 def test_locality_preserving_order_shrinks_the_halo():
@@ -214,6 +222,13 @@ def test_errors():
         part.to_partitioned(jnp.ones(4))
     with pytest.raises(ValueError, match=r"with_values\(values=...\)` must have shape"):
         op.with_values(jnp.ones((1, 3)))
+    with pytest.raises(ValueError, match=r"operator\(steps=...\)` must be an integer"):
+        part.operator(mesh, steps=0)
+    deep = part.operator(mesh, steps=2)
+    with pytest.raises(
+        ValueError, match="steps=2.*got method='scan', adjoint='custom_jvp'"
+    ):
+        krylovjax.krylov(deep, jnp.ones(6), 3, adjoint="custom_jvp")
     with pytest.raises(
         TypeError, match="must have a floating-point or complex dtype; got dtype int32"
     ):
