@@ -737,7 +737,8 @@ def _program(prob, options, modes):
 
 
 def _modes(cell):
-    if "custom_vjp" in cell["options"].values():
+    options = cell["options"].values()
+    if any(isinstance(v, str) and "custom_vjp" in v for v in options):
         return ("value", "grad")  # reverse mode only
     return ("value", "grad", "jvp")
 
