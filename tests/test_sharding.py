@@ -8,7 +8,7 @@ and what a cell checks (value, gradient and JVP against one device in float64,
 and the documented output shardings). The suite runs the grid's targeted cells
 (the documented output shardings, the layouts that once failed), in two processes at
 once, and checks that the pairwise-covering subset covers every pair of values of two
-dimensions; CI runs that subset as a step of its own, and the full grid (583 cells,
+dimensions; CI runs that subset as a step of its own, and the full grid (656 cells,
 about ten minutes on two cores) is run by hand when the sharding code changes:
 
     python tests/_sharding_grid.py --parallel         # the subset (CI)
