@@ -383,13 +383,7 @@ class GraphPartition:
         """The bytes each product sends over the wire, summed over the devices, for
         vectors of `width` columns of `dtype`: for each shift, one buffer as long
         as the shift's largest halo from every device that sends any rows over it."""
-        rows = sum(
-            len(pairs) * send.shape[1]
-            for pairs, send in zip(
-                self._layout["pairs"], self._layout["sends"], strict=True
-            )
-        )
-        return rows * width * np.dtype(dtype).itemsize
+        return _rows_sent(self._layout) * width * np.dtype(dtype).itemsize
 
     def bytes_per_exchange(
         self, width: int = 1, dtype: Any = np.float32, steps: int = 1
@@ -405,11 +399,7 @@ class GraphPartition:
         if steps == 1:
             return self.bytes_per_product(width, dtype)
         plan = self._powers_layout(steps)["x"]
-        rows = sum(
-            len(pairs) * send.shape[1]
-            for pairs, send in zip(plan["pairs"], plan["sends"], strict=True)
-        )
-        return rows * width * np.dtype(dtype).itemsize
+        return _rows_sent(plan) * width * np.dtype(dtype).itemsize
 
     def _powers_layout(self, steps: int) -> dict:
         if steps not in self._powers:
@@ -559,6 +549,15 @@ class GraphPartition:
             n_local=self.n_local,
             powers=powers,
         )
+
+
+def _rows_sent(plan: dict) -> int:
+    """The rows an exchange of `_exchange`'s `plan` sends, summed over the devices:
+    for each shift, its padded buffer from every device that sends over it."""
+    return sum(
+        len(pairs) * send.shape[1]
+        for pairs, send in zip(plan["pairs"], plan["sends"], strict=True)
+    )
 
 
 def _check_steps(steps: Any, fn_name: str) -> int:
@@ -878,16 +877,17 @@ def _powers_layout(rows, cols, slots, parts: int, n_local: int, m: int, steps: i
     )
     by_row = np.argsort(rows, kind="stable")
     starts = np.searchsorted(rows[by_row], np.arange(span + 1))
+    # level[:, p]: hops from device p's rows (-1: farther), all devices at once.
+    level = np.full((span, parts), -1, np.int64)
+    level[np.arange(span), np.arange(span) // n_local] = 0
+    for hop in range(1, steps + 1):
+        reached = reads @ (level >= 0).astype(np.float32) > 0
+        level[reached & (level < 0)] = hop
     x_need, v_need = [], []  # (receiver, node) and (receiver, entry)
     for p in range(parts):
-        level = np.full(span, -1, np.int64)  # hops from the device's rows
-        level[p * n_local : (p + 1) * n_local] = 0
-        for hop in range(1, steps + 1):
-            reached = reads @ (level >= 0).astype(np.float32) > 0
-            level[reached & (level < 0)] = hop
-        nodes = np.flatnonzero(level > 0)
+        nodes = np.flatnonzero(level[:, p] > 0)
         x_need.append(np.stack([np.full(nodes.size, p), nodes], 1))
-        far = np.flatnonzero((level > 0) & (level < steps))
+        far = np.flatnonzero((level[:, p] > 0) & (level[:, p] < steps))
         lo, count = starts[far], starts[far + 1] - starts[far]
         first = np.repeat(lo - (np.cumsum(count) - count), count)
         entries = by_row[first + np.arange(int(count.sum()))]
