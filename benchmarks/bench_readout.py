@@ -15,8 +15,8 @@ compiled temporary memory:
   `krylov_readout` with `C` of 8 rows, and of `sum(sin(y))` for
   `polynomial_action`, each against the same loss through `krylov` (the
   materialising path).
-- **Checkpoint spacing**: the SSM kernel's gradient for several
-  `checkpoint_every`, the trade-off that argument sets.
+- **Checkpoints**: the SSM kernel's gradient for several `checkpoints` (how
+  many vectors the reverse pass keeps), the trade-off that argument sets.
 
 Run `python benchmarks/bench_readout.py` (about two minutes on 2 cores) or
 `--quick`. Results go to `--out` (default `benchmarks/out/readout`, git-ignored):
@@ -33,17 +33,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import krylovjax
+from krylovjax._readout import default_checkpoints
 from krylovjax.nn import StateSpaceConv
 
 FULL = {
     "ssm": (64, 256, 16384),
-    "spacings": [16, 64, None, 512],
+    "checkpoints": [16, 64, None, 1024],
     "sizes": [(512, 200), (32, 5000)],
     "timing": {"target_s": 1.0, "min_rounds": 5, "max_rounds": 50},
 }
 QUICK = {
     "ssm": (8, 4, 64),
-    "spacings": [2, None],
+    "checkpoints": [2, None],
     "sizes": [(16, 20)],
     "timing": {"target_s": 0.02, "min_rounds": 3, "max_rounds": 5},
 }
@@ -58,13 +59,13 @@ def ssm_problem(n, c_in, length):
     return A_bar, B_bar, layer.C, W
 
 
-def ssm_kernel(length, every=None, materialise=False):
+def ssm_kernel(length, checkpoints=None, materialise=False):
     def kernel(A_bar, B_bar, C):
         if materialise:
             blocks = krylovjax.krylov(A_bar, B_bar, length, layout="rows")
             return jnp.einsum("on,lni->loi", C, blocks)
         return krylovjax.krylov_readout(
-            A_bar, B_bar, length, C, layout="rows", checkpoint_every=every
+            A_bar, B_bar, length, C, layout="rows", checkpoints=checkpoints
         )
 
     return kernel
@@ -77,7 +78,7 @@ def value_and_grad(kernel):
     return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
-def run_ssm(n, c_in, length, spacings, timing):
+def run_ssm(n, c_in, length, checkpoints, timing):
     args = ssm_problem(n, c_in, length)
     fns = {
         "readout": (value_and_grad(ssm_kernel(length)), args),
@@ -87,24 +88,21 @@ def run_ssm(n, c_in, length, spacings, timing):
     kernels = [
         jax.jit(ssm_kernel(length, materialise=m))(*args[:3]) for m in (False, True)
     ]
-    spacing = h.measure(
-        {
-            str(every): (value_and_grad(ssm_kernel(length, every)), args)
-            for every in spacings
-        },
+    kept = h.measure(
+        {str(c): (value_and_grad(ssm_kernel(length, c)), args) for c in checkpoints},
         **timing,
     )
     return {
         "n": n,
         "c_in": c_in,
         "length": length,
-        "default_every": int(np.ceil(np.sqrt(length))),
+        "default_checkpoints": default_checkpoints(length, args[1], False),
         "temp_bytes": {k: v["temp_bytes"] for k, v in results.items()},
         "median_s": {k: v["median_s"] for k, v in results.items()},
         "kernel_difference": h.largest_difference(*kernels),
-        "spacing": {
+        "checkpoints": {
             k: {"temp_bytes": v["temp_bytes"], "median_s": v["median_s"]}
-            for k, v in spacing.items()
+            for k, v in kept.items()
         },
     }
 
@@ -207,18 +205,18 @@ def markdown(report):
             "lrrr",
         ),
         "",
-        "Checkpoint spacing (`checkpoint_every`; default "
-        f"ceil(sqrt(L)) = {s['default_every']}), the same gradient:",
+        "Vectors kept by the reverse pass (`checkpoints`; the default keeps "
+        f"{s['default_checkpoints']}), the same gradient:",
         "",
         *h.table(
-            "checkpoint_every | temp MiB | time (ms)",
+            "checkpoints | temp MiB | time (ms)",
             [
                 (
                     f"{k if k != 'None' else 'default'}",
                     mib(v["temp_bytes"]),
                     h.ms(v["median_s"]),
                 )
-                for k, v in s["spacing"].items()
+                for k, v in s["checkpoints"].items()
             ],
             "lrr",
         ),
@@ -271,7 +269,7 @@ def main(argv=None):
     config = QUICK if args.quick else FULL
     log = h.Log()
     log(f"SSM kernel {config['ssm']}")
-    ssm = run_ssm(*config["ssm"], config["spacings"], config["timing"])
+    ssm = run_ssm(*config["ssm"], config["checkpoints"], config["timing"])
     sizes = []
     for n, d in config["sizes"]:
         log(f"size ({n}, {d})")

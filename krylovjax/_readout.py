@@ -11,23 +11,32 @@ readout's own arrays, put into the output (`put`: a row of it, or a sum).
 **Reverse pass.** With $\bar y$ the output's cotangent, the vectors' cotangents
 are $g_k = r_k^\top(\bar y)$ and the adjoint recurrence is the scan's
 (`_scan.adjoint_update`), but it pairs $\lambda_{k+1}$ with $x_k$ in reverse
-order, and the $x_k$ are not stored. So the forward pass under differentiation
-keeps a *checkpoint* every $s$ steps (`checkpoint_every`; the pair
-$(x_{k-1}, x_k)$ for a three-term basis), and the reverse pass, from the last
-segment of $s$ vectors down to the first, recomputes the segment's vectors from
-its checkpoint, then runs its adjoint steps from the top: each reads $x_k$ from
-the segment, forms $g_k$ and the readout's gradient at step $k$ (a VJP of
-`piece`), $\lambda_k$, and the pairing $a_k \lambda_{k+1} x_k^\top$ of the
-operator's gradient. For small vectors (`SMALL_VECTOR`) the pairings of a chunk
-of steps (the scan's chunk policy, `_chunks.gradient_chunk`) are one batched
-product reading the segment in place (`_chunks.add_param_vjp`: a GEMM for a
-dense matrix), and so are a matrix readout's VJPs; otherwise one product per
-step. Memory: $\lceil d/s \rceil - 1$ checkpoints and $s$ recomputed vectors,
-$O(\sqrt d)$ vectors at $s = \lceil\sqrt d\,\rceil$, for one extra forward pass
-($d - \lceil d/s\rceil$ products). $s = 1$ stores every vector and recomputes
-nothing; it is the default while the $d$ vectors take at most
-`STORE_ALL_BYTES` (where memory is no concern and time is) or checkpoints would
-not halve them (`default_every`).
+order, and the $x_k$ are not all stored. It may keep `checkpoints` vectors (pairs
+of vectors for a three-term basis) besides its working ones, and
+`_schedule.plan_checkpoints` splits them into checkpoints every $s$ vectors,
+stored by the forward pass in the same loop that makes the output, and spare
+ones. The reverse pass takes the segments from the last to the first:
+
+- with $s - 1$ spare vectors it recomputes the segment from its checkpoint into
+  one buffer (`_recompute`) and runs the segment's adjoint steps from the top,
+  each reading $x_k$ from the buffer, forming $g_k$ and the readout's gradient at
+  step $k$ (a VJP of `piece`), $\lambda_k$, and the pairing
+  $a_k \lambda_{k+1} x_k^\top$ of the operator's gradient. For small vectors
+  (`SMALL_VECTOR`) the pairings of a chunk of steps (the scan's chunk policy,
+  `_chunks.gradient_chunk`) are one batched product reading the buffer in place
+  (`_chunks.add_param_vjp`: a GEMM for a dense matrix), and so are a matrix
+  readout's VJPs; otherwise one product per step;
+- with fewer, it runs the binomial schedule of `_schedule.segment_actions`
+  (Griewank's revolve) in one loop over all segments' actions
+  (`_reverse_binomial`): advance the working state, keep it in a spare slot,
+  load a slot or a checkpoint, or take the adjoint step of the vector it holds.
+
+Storing every vector ($s = 1$) recomputes nothing; it is the default while the
+$d$ vectors take at most `STORE_ALL_BYTES` (where memory is no concern and time
+is). Above, the default keeps as many vectors as those bytes hold, between
+`FEWEST` and $2\lceil\sqrt d\,\rceil - 1$ (`default_checkpoints`): about one
+extra forward pass for $O(\sqrt d)$ vectors, or a few more for vectors so large
+that only a couple can be kept.
 
 **Forward and reverse mode from one rule**, as for `krylov`: a `custom_jvp`
 whose tangent is a primitive (`_tangent.tangent_primitive`), implemented by JAX's
@@ -72,6 +81,7 @@ from ._scan import (
     forward_step,
     inexact_zeros,
 )
+from ._schedule import ADJOINT, ADVANCE, LOAD, STORE, plan_checkpoints, reverse_actions
 from ._sharding import typed_like
 from ._tangent import (
     coefficient_cotangents,
@@ -217,10 +227,18 @@ class Sum(_Readout):
 
 class _Plan(eqx.Module):
     """The static shape of one run: `d` vectors in `count` segments of `every`
-    (the last one `last` long). `every == 1` stores every vector."""
+    (the last one `last` long), each reversed with `spare` vectors to keep some
+    of its own in (`_schedule.py`). `every == 1` stores every vector."""
 
     d: int = eqx.field(static=True)
     every: int = eqx.field(static=True)
+    spare: int = eqx.field(static=True)
+
+    @property
+    def buffered(self) -> bool:
+        """Whether a segment is recomputed whole into a buffer (else by the
+        binomial schedule of `_schedule.segment_actions`)."""
+        return self.spare >= self.every - 1
 
     @property
     def count(self) -> int:
@@ -232,22 +250,23 @@ class _Plan(eqx.Module):
 
 
 # Below this many bytes for the d vectors, the default stores them all: the
-# reverse pass then recomputes nothing, as fast as the materialising path.
+# reverse pass then recomputes nothing, as fast as the materialising path. Above,
+# it keeps about as many vectors as this many bytes hold, between `FEWEST` and
+# the $2\lceil\sqrt d\,\rceil - 1$ that take one extra forward pass.
 STORE_ALL_BYTES = 256 * 2**20
+FEWEST = 2
 
 
-def default_every(d: int, x0: Array, pairs: bool) -> int:
-    """The default checkpoint spacing: $s = \\lceil\\sqrt d\\,\\rceil$ once the `d`
-    vectors take more than `STORE_ALL_BYTES` and its checkpoints and segment
-    (`pairs`: a checkpoint is two vectors) are at most half of them; else 1,
-    every vector stored. (At d = 4 checkpoints save a quarter of the vectors:
-    `KrylovGraphConv`'s gradient at 170k nodes and 3 hops took 1.17x longer with
-    them, and its peak RSS was 1.30 against 1.26 GB without.)"""
-    if d * x0.size * x0.dtype.itemsize <= STORE_ALL_BYTES:
-        return 1
-    every = math.isqrt(d - 1) + 1
-    kept = (-(-d // every) - 1) * (2 if pairs else 1) + every
-    return every if 2 * kept <= d else 1
+def default_checkpoints(d: int, x0: Array, pairs: bool) -> int:
+    r"""The default `checkpoints`: `d - 1` (every vector stored) while the `d`
+    vectors take at most `STORE_ALL_BYTES`; else as many states (`pairs`: a state
+    is two vectors) as `STORE_ALL_BYTES` hold, at least `FEWEST` and at most
+    $2\lceil\sqrt d\,\rceil - 1$."""
+    vector = x0.size * x0.dtype.itemsize
+    if d * vector <= STORE_ALL_BYTES:
+        return d - 1
+    held = STORE_ALL_BYTES // (vector * (2 if pairs else 1))
+    return max(FEWEST, min(held, 2 * (math.isqrt(d - 1) + 1) - 1))
 
 
 def _padded(coefficients: Coefficients | None, d: int):
@@ -318,28 +337,35 @@ def readout_forward(
     state = _first_state(x0, padded)
     if plan.every == 1:
         return _forward_storing(operator, readout, padded, state, out, plan, keep)
+    if not keep or plan.count == 1:
+        return _run(operator, readout, padded, state, out, 0, plan.d, False)[1], None
     every = plan.every
-    stack = None
-    if keep:
-        stack = jtu.tree_map(lambda v: _stack_like(v, plan.count - 1), state)
+    stack = jtu.tree_map(lambda v: _stack_like(v, plan.count - 1), state)
 
-    def segment(carry, c):
+    # One loop over all vectors, which stores a checkpoint when it reaches one:
+    # so the checkpoints are ready only once the output is (with a loop per
+    # segment, XLA may finish the last segment after the reverse pass, holding
+    # its vectors through it).
+    def body(carry, k):
         state, out, stack = carry
-        state, out = _run(operator, readout, padded, state, out, c * every, every, True)
-        if keep:
-            stack = jtu.tree_map(
-                lambda s, v: lax.dynamic_update_index_in_dim(s, v, c, 0), stack, state
+        out = readout.put(out, k, readout.piece(readout.params(k), _current(state)))
+        state = _advance(operator, state, padded, k)
+        row = (k + 1) // every - 1
+
+        def store(stack):
+            return jtu.tree_map(
+                lambda s, v: lax.dynamic_update_index_in_dim(s, v, row, 0),
+                stack,
+                state,
             )
+
+        at_checkpoint = ((k + 1) % every == 0) & (row < plan.count - 1)
+        stack = lax.cond(at_checkpoint, store, lambda stack: stack, stack)
         return (state, out, stack), None
 
-    if plan.count > 1:
-        (state, out, stack), _ = lax.scan(
-            segment, (state, out, stack), jnp.arange(plan.count - 1)
-        )
-    else:
-        stack = None
-    lo = (plan.count - 1) * every
-    _, out = _run(operator, readout, padded, state, out, lo, plan.last, False)
+    (state, out, stack), _ = lax.scan(body, (state, out, stack), jnp.arange(plan.d - 1))
+    k = plan.d - 1
+    out = readout.put(out, k, readout.piece(readout.params(k), _current(state)))
     return out, stack
 
 
@@ -507,6 +533,55 @@ def _reverse_vectors(adj: _Adjoint, acc, xs, lo, length: int):
     return lax.fori_loop(0, full, chunk, acc)
 
 
+def _reverse_binomial(adj: _Adjoint, acc, stored, first, plan: _Plan):
+    """The adjoint steps of all `plan.d` vectors by the binomial schedules of
+    `_schedule.reverse_actions`: one loop over their actions, with the working
+    state, `plan.spare` slots and `acc` as its carry. A checkpoint is read where
+    the schedule loads it (`first` for `x0`, else a row of `stored`), so that no
+    copy of it is kept."""
+    table = reverse_actions(plan.d, plan.every, plan.spare)
+    actions = jnp.asarray(np.asarray(table, np.int32))
+    slots = jtu.tree_map(lambda v: _stack_like(v, max(plan.spare, 1)), first)
+
+    def advance(k, state, slots, acc):
+        return _advance(adj.operator, state, adj.padded, k), slots, acc
+
+    def store(i, state, slots, acc):
+        slots = jtu.tree_map(
+            lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), slots, state
+        )
+        return state, slots, acc
+
+    def load(i, state, slots, acc):
+        c = -i - 1  # the checkpoint, for i < 0
+
+        def pick(f, kept, s):
+            if s is not None:
+                s = lax.dynamic_index_in_dim(s, jnp.maximum(c - 1, 0), 0, False)
+                f = jnp.where(c == 0, f, s)
+            kept = lax.dynamic_index_in_dim(kept, jnp.maximum(i, 0), 0, False)
+            return jnp.where(i < 0, f, kept)
+
+        if stored is None:
+            state = jtu.tree_map(lambda f, k: pick(f, k, None), first, slots)
+        else:
+            state = jtu.tree_map(pick, first, slots, stored)
+        return state, slots, acc
+
+    def adjoint(k, state, slots, acc):
+        xs = _current(state)[None]
+        return state, slots, _reverse_vectors(adj, acc, xs, k, 1)
+
+    branches = [advance, store, load, adjoint]
+    assert [ADVANCE, STORE, LOAD, ADJOINT] == list(range(4))
+
+    def body(j, carry):
+        return lax.switch(actions[j, 0], branches, actions[j, 1], *carry)
+
+    _, _, acc = lax.fori_loop(0, len(table), body, (first, slots, acc))
+    return acc
+
+
 def readout_adjoint(
     operator: AbstractOperator,
     x0: Array,
@@ -532,7 +607,7 @@ def readout_adjoint(
         want_readout,
         chunk=(
             chunk_steps(x0, gradient_chunk(operator, x0.size))
-            if x0.size <= SMALL_VECTOR
+            if x0.size <= SMALL_VECTOR and plan.buffered
             else 1
         ),
     )
@@ -547,6 +622,8 @@ def readout_adjoint(
     acc = (carry, grad, ct_readout, dsum)
     if plan.every == 1:
         acc = _reverse_vectors(adj, acc, stored, 0, plan.d)
+    elif not plan.buffered:
+        acc = _reverse_binomial(adj, acc, stored, _first_state(x0, padded), plan)
     else:
         first = _first_state(x0, padded)
 
@@ -722,23 +799,28 @@ def readout(
     x0: Array,
     readout: _Readout,
     coefficients: Coefficients | None,
-    d: int,
-    every: int,
+    plan: _Plan,
 ) -> Array:
-    """The readout of the `d` vectors, differentiable in both modes."""
-    return _readout(operator, x0, readout, coefficients, plan=_Plan(d, every))
+    """The readout of the `plan.d` vectors, differentiable in both modes."""
+    return _readout(operator, x0, readout, coefficients, plan=plan)
 
 
 # ------------------------------------------------------------ the public API
 
 
-def _check_every(
-    checkpoint_every: Any, d: int, x0: Array, coefficients, fn_name: str
-) -> int:
-    if checkpoint_every is None:
-        return default_every(d, x0, coefficients is not None)
-    every = check_size(checkpoint_every, f"{fn_name}(checkpoint_every=...)")
-    return min(every, d)
+def _check_checkpoints(
+    checkpoints: Any, d: int, x0: Array, coefficients, fn_name: str
+) -> _Plan:
+    if checkpoints is None:
+        checkpoints = default_checkpoints(d, x0, coefficients is not None)
+    else:
+        checkpoints = check_size(
+            checkpoints,
+            f"{fn_name}(checkpoints=...)",
+            what="how many vectors the reverse pass keeps",
+            minimum=0,
+        )
+    return _Plan(d, *plan_checkpoints(d, checkpoints))
 
 
 def _coefficients(basis, d: int, x0: Array, fn_name: str):
@@ -794,7 +876,7 @@ def krylov_readout(
     *,
     basis: AbstractBasis | None = None,
     layout: Literal["columns", "rows"] = "columns",
-    checkpoint_every: StaticInt | None = None,
+    checkpoints: StaticInt | None = None,
 ) -> Inexact[Array, "..."]:
     r"""The readout $[C x_0, C x_1, \dots, C x_{d-1}]$ of a Krylov sequence,
     $x_k = A^k x_0$ (or $p_k(A) x_0$ in a polynomial `basis`), without the Krylov
@@ -809,12 +891,14 @@ def krylov_readout(
     **Derivatives.** One rule for forward and reverse mode, like
     [`krylovjax.krylov`][]'s default: `jax.jvp`, `jax.grad`, `jax.vjp`,
     `jax.linearize`, `jax.jacfwd`, `jax.hessian`. Gradients reach the arrays of
-    `A`, `x0`, `C` and the basis. Reverse mode needs the $x_k$ in reverse order;
-    it keeps a checkpoint every `checkpoint_every` vectors in the forward pass and
-    recomputes each segment of vectors from its checkpoint on the way back (see the
-    docs' adjoint page): with $s$ = `checkpoint_every`, it holds
-    $\lceil d/s\rceil - 1$ checkpoints (pairs of vectors for a polynomial basis)
-    and the $s$ vectors of a segment, at the cost of one more forward pass.
+    `A`, `x0`, `C` and the basis. Reverse mode needs the $x_k$ in reverse order
+    and keeps at most `checkpoints` of them (pairs of vectors for a polynomial
+    basis), recomputing the others from the nearest one kept by binomial
+    checkpointing (Griewank's revolve; see the docs' adjoint page): $d - 1$
+    stores every vector and recomputes nothing; $2\lceil\sqrt d\,\rceil - 1$
+    costs about one more forward pass; fewer cost more passes, each vector
+    recomputed at most $r$ times for the smallest $r$ with
+    $\binom{c + 1 + r}{r} \geq d$, roughly.
     Forward mode runs the tangents beside the vectors and keeps $O(1)$ vectors.
 
     **Arguments:**
@@ -833,15 +917,15 @@ def krylov_readout(
     - `layout`: `"columns"` (default) puts the new axis of length $d$ after the
         readout's first axis, `(p, d)` or `(p, d, b)`, like `C @ krylov(...)`;
         `"rows"` puts it first, `(d, p, ...)`.
-    - `checkpoint_every`: the spacing $s$ of the reverse pass's checkpoints, a
-        static `int >= 1` (values above $d$ count as $d$). `1` stores every
-        vector and recomputes nothing (the memory of `C @ krylov(...)`, and its
-        time); $\lceil\sqrt d\,\rceil$ holds $O(\sqrt d)$ vectors for one more
-        forward pass; $d$ stores none but `x0`, recomputes all, and holds them
-        at once. `None` (default): $\lceil\sqrt d\,\rceil$ once the $d$
-        vectors take more than 256 MiB and its checkpoints and segment hold at
-        most half as many (from about $d = 12$, $d = 28$ for a polynomial basis);
-        else `1`.
+    - `checkpoints`: how many vectors the reverse pass may keep besides its
+        working ones (about six: the adjoint, its update, the output's cotangent
+        and the vector being recomputed), a static `int >= 0`; values of $d - 1$
+        or more store every vector (the memory of `C @ krylov(...)`, and its
+        time), `0` keeps only `x0` and recomputes each vector from it. `None`
+        (default): every vector while the $d$ vectors take at most 256 MiB;
+        else as many as 256 MiB hold, at least 2 and at most
+        $2\lceil\sqrt d\,\rceil - 1$ (for vectors of 512 MiB at $d = 16$:
+        2, which recompute 28 products where the forward pass makes 15).
 
     **Returns:**
 
@@ -869,11 +953,11 @@ def krylov_readout(
     check_choice(layout, ("columns", "rows"), f"{fn_name}(layout=...)")
     operator, x0, d = check_problem(A, x0, d, fn_name, stacked=False)
     coefficients = _coefficients(basis, d, x0, fn_name)
-    every = _check_every(checkpoint_every, d, x0, coefficients, fn_name)
+    plan = _check_checkpoints(checkpoints, d, x0, coefficients, fn_name)
     rows = Rows(_as_readout_matrix(C, x0, fn_name))
     piece = eqx.filter_eval_shape(rows.piece, rows.C, x0)
     check_output_size(d, [piece], fn_name, what="the readout `C x0`")
-    out = readout(operator, x0, rows, coefficients, d, every)
+    out = readout(operator, x0, rows, coefficients, plan)
     return out if layout == "rows" else jnp.moveaxis(out, 0, 1)
 
 
@@ -883,7 +967,7 @@ def polynomial_action(
     coeffs: Inexact[Array | np.ndarray, "d ..."],
     *,
     basis: AbstractBasis | None = None,
-    checkpoint_every: StaticInt | None = None,
+    checkpoints: StaticInt | None = None,
 ) -> Inexact[Array, "..."]:
     r"""The polynomial $\sum_{k=0}^{d-1} \theta_k\, p_k(A)\, x_0$ applied to $x_0$,
     or with a matrix per degree, $\sum_k p_k(A)\, X_0\, W_k$, without the Krylov
@@ -896,11 +980,11 @@ def polynomial_action(
     ChebConv: $\sum_k T_k(\tilde L) X W_k$). The vectors are summed into the
     output as they are made, so the forward pass keeps one vector (two for a
     polynomial basis) besides the output; derivatives and memory are as for
-    [`krylovjax.krylov_readout`][], whose `checkpoint_every` this takes too.
+    [`krylovjax.krylov_readout`][], whose `checkpoints` this takes too.
 
     **Arguments:**
 
-    - `A`, `x0`, `basis`, `checkpoint_every`: as for `krylov_readout`.
+    - `A`, `x0`, `basis`, `checkpoints`: as for `krylov_readout`.
     - `coeffs`: the coefficients, shape `(d,)` (one number per degree; any `x0`)
         or `(d, b_in, b_out)` for an `x0` of shape `(n, b_in)` (one matrix per
         degree). Their length is the number of terms $d \ge 1$. Floating point or
@@ -945,6 +1029,6 @@ def polynomial_action(
         )
         raise ValueError(msg)
     coefficients = _coefficients(basis, d, x0, fn_name)
-    every = _check_every(checkpoint_every, d, x0, coefficients, fn_name)
+    plan = _check_checkpoints(checkpoints, d, x0, coefficients, fn_name)
     coeffs = coeffs.astype(standard_result_type(coeffs, x0))
-    return readout(operator, x0, Sum(coeffs), coefficients, d, every)
+    return readout(operator, x0, Sum(coeffs), coefficients, plan)

@@ -163,11 +163,12 @@ FUNCTIONS: dict[str, dict] = {
         paired=("adjoint",),
     ),
     # `krylov_readout` with a (2, n) `C` and `polynomial_action` with d
-    # coefficients, in the monomial basis or `Chebyshev(-3, 3)`, checkpointing
-    # every 2 vectors (`every`: 2) or storing every vector (1).
+    # coefficients, in the monomial basis or `Chebyshev(-3, 3)`, keeping one
+    # vector in the reverse pass (`checkpoints`: 1, a binomial schedule) or, by
+    # default, every vector ("default").
     "readout": dict(
         operators=OPERATORS,
-        options=dict(basis=("monomial", "chebyshev"), every=("2", "1")),
+        options=dict(basis=("monomial", "chebyshev"), checkpoints=("1", "default")),
     ),
     "linear_dynamics": dict(operators=("dense",), options={}),
     "graph_conv": dict(operators=("dense", "bcoo"), options={}),
@@ -592,12 +593,13 @@ class Problem:
             basis = None
             if options["basis"] == "chebyshev":
                 basis = krylovjax.Chebyshev(-3.0, 3.0)
-            every = int(options["every"])
+            kept = options["checkpoints"]
+            kept = None if kept == "default" else int(kept)
             y = krylovjax.krylov_readout(
-                A, a["x0"], d, a["C"], basis=basis, checkpoint_every=every
+                A, a["x0"], d, a["C"], basis=basis, checkpoints=kept
             )
             z = krylovjax.polynomial_action(
-                A, a["x0"], a["theta"], basis=basis, checkpoint_every=every
+                A, a["x0"], a["theta"], basis=basis, checkpoints=kept
             )
             return y, z
         if f == "iterate":

@@ -49,7 +49,7 @@ def _basis_params(d, dtype=jnp.float64):
     }
 
 
-def _both_paths(kind, basis, d, every, C_form="dense"):
+def _both_paths(kind, basis, d, checkpoints, C_form="dense"):
     """`(readout, materialised)`: two functions of `(params, x0, C, coeffs,
     basis_params)` returning `(krylov_readout(...), polynomial_action(...))`, the
     second through `krylov` and plain autodiff."""
@@ -64,9 +64,9 @@ def _both_paths(kind, basis, d, every, C_form="dense"):
         A = build(params)
         b = None if make is None else make(bp)
         y = krylovjax.krylov_readout(
-            A, x0, d, build_C(C), basis=b, checkpoint_every=every
+            A, x0, d, build_C(C), basis=b, checkpoints=checkpoints
         )
-        z = krylovjax.polynomial_action(A, x0, coeffs, basis=b, checkpoint_every=every)
+        z = krylovjax.polynomial_action(A, x0, coeffs, basis=b, checkpoints=checkpoints)
         return y, z
 
     def materialised(build, params, x0, C, coeffs, bp):
@@ -84,7 +84,7 @@ def _both_paths(kind, basis, d, every, C_form="dense"):
     return readout, materialised
 
 
-def _compare(kind, basis, d, every, block=None, mixing=False, seed=0, **kw):
+def _compare(kind, basis, d, checkpoints, block=None, mixing=False, seed=0, **kw):
     """Values, VJPs and JVPs of both paths at one random point, in one program."""
     keys = jr.split(jr.key(seed), 8)
     A = random_matrix(keys[0], N, jnp.float64)
@@ -96,7 +96,7 @@ def _compare(kind, basis, d, every, block=None, mixing=False, seed=0, **kw):
     coeffs = random_array(keys[3], coeffs_shape, jnp.float64)
     bp = _basis_params(d)
     args = (params, x0, C, coeffs, bp)
-    readout, materialised = _both_paths(kind, basis, d, every, **kw)
+    readout, materialised = _both_paths(kind, basis, d, checkpoints, **kw)
     out = jax.eval_shape(lambda *a: materialised(build, *a), *args)
     ct = random_like(keys[4], out)
     tangents = random_like(keys[5], args)
@@ -118,26 +118,30 @@ def _compare(kind, basis, d, every, block=None, mixing=False, seed=0, **kw):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("basis", list(BASES))
 def test_matches_materialising_path(kind, basis):
-    # d = 7 (a prime) in checkpoint segments of 3: two full segments and one of 1.
+    # d = 11 (a prime) with 2 vectors kept: a checkpoint every 6 vectors and one
+    # spare vector for the binomial schedule of each segment (6, then 5).
     block = 2 if basis == "chebyshev" else None
-    _compare(kind, basis, d=7, every=3, block=block)
+    _compare(kind, basis, d=11, checkpoints=2, block=block)
 
 
 @pytest.mark.parametrize(
-    ("kind", "d", "every"),
+    ("kind", "d", "checkpoints"),
     [
         ("dense", 1, None),
         ("dense", 2, None),
-        ("dense", 2, 1),
-        ("dense", 9, 9),
+        ("dense", 2, 0),
+        # Checkpoints every 2 vectors, each segment recomputed into a buffer.
+        ("dense", 7, 4),
+        # Only x0 kept: every vector recomputed from it, d (d - 1) / 2 products.
+        ("dense", 9, 0),
         ("dense", 9, 40),
         # All 20 vectors stored, their pairings in chunks of 8 steps and one of 4.
         ("bcoo", 20, None),
-        ("bcoo", 20, 1),
+        ("bcoo", 20, 19),
     ],
 )
-def test_depths_and_checkpoint_spacings(kind, d, every):
-    _compare(kind, "three_term", d, every)
+def test_depths_and_checkpoints(kind, d, checkpoints):
+    _compare(kind, "three_term", d, checkpoints)
 
 
 @settings(max_examples=5, deadline=None)
@@ -145,12 +149,14 @@ def test_depths_and_checkpoint_spacings(kind, d, every):
     kind=st.sampled_from(["dense", "bcoo", "closure"]),
     basis=st.sampled_from(list(BASES)),
     d=st.integers(1, 12),
-    every=st.one_of(st.none(), st.integers(1, 13)),
+    checkpoints=st.one_of(st.none(), st.integers(0, 13)),
     block=st.one_of(st.none(), st.integers(1, 3)),
     seed=st.integers(0, 2**16),
 )
-def test_random_problems_match_materialising_path(kind, basis, d, every, block, seed):
-    _compare(kind, basis, d, every, block=block, seed=seed)
+def test_random_problems_match_materialising_path(
+    kind, basis, d, checkpoints, block, seed
+):
+    _compare(kind, basis, d, checkpoints, block=block, seed=seed)
 
 
 def test_mixing_coefficients_and_callable_readout():
@@ -198,8 +204,8 @@ def test_complex():
         return lambda A, x0, C, coeffs: jnp.sum(jnp.abs(f(A, x0, C, coeffs)) ** 2)
 
     def readout(A, x0, C, coeffs):
-        y = krylovjax.krylov_readout(A, x0, 4, C, checkpoint_every=2)
-        z = krylovjax.polynomial_action(A, x0, coeffs, checkpoint_every=3)
+        y = krylovjax.krylov_readout(A, x0, 4, C, checkpoints=1)
+        z = krylovjax.polynomial_action(A, x0, coeffs, checkpoints=0)
         return jnp.concatenate([y.ravel(), z])
 
     def materialised(A, x0, C, coeffs):
@@ -226,7 +232,7 @@ def test_finite_differences_and_second_order():
 
     def f(A, x0, C, coeffs, lo, hi):
         basis = krylovjax.Chebyshev(lo, hi)
-        y = krylovjax.krylov_readout(A, x0, 6, C, basis=basis, checkpoint_every=4)
+        y = krylovjax.krylov_readout(A, x0, 6, C, basis=basis, checkpoints=2)
         z = krylovjax.polynomial_action(A, x0, coeffs, basis=basis)
         return jnp.concatenate([jnp.sin(y).ravel(), z])
 
@@ -284,8 +290,8 @@ def test_vmap():
     coeffs = random_array(keys[3], (3, 5), jnp.float64)
 
     def readout(A, x0, coeffs):
-        y = krylovjax.krylov_readout(A, x0, 5, C, checkpoint_every=2)
-        return y, krylovjax.polynomial_action(A, x0, coeffs, checkpoint_every=2)
+        y = krylovjax.krylov_readout(A, x0, 5, C, checkpoints=1)
+        return y, krylovjax.polynomial_action(A, x0, coeffs, checkpoints=2)
 
     def materialised(A, x0, coeffs):
         X = krylovjax.krylov(A, x0, 5, adjoint="autodiff")
@@ -330,10 +336,10 @@ def test_sparse_readout_matrix_and_rows_layout():
 
 
 def test_reverse_pass_memory():
-    # The d vectors take 512 MiB, so by default the reverse pass checkpoints every
-    # sqrt(d) = 16 vectors: checkpoints, one segment and its chunk of adjoint
-    # vectors, about 3 sqrt(d), where the materialising path keeps d. (Compiled
-    # only: nothing is allocated.)
+    # The d vectors take 512 MiB, so by default the reverse pass keeps
+    # 2 sqrt(d) - 1 = 31 of them: checkpoints every 13 vectors and a segment's,
+    # where the materialising path keeps d. (Compiled only: nothing is
+    # allocated.)
     n, d = 2**19, 256
     A = jax.ShapeDtypeStruct((n,), jnp.float32)
     x0 = jax.ShapeDtypeStruct((n,), jnp.float32)
@@ -354,6 +360,26 @@ def test_reverse_pass_memory():
     want = temp_bytes(jax.grad(materialised, (0, 1, 2)), A, x0, coeffs)
     assert want > d * vector
     assert got < (3 * 16 + 8) * vector, (got / vector, want / vector)
+
+
+def test_reverse_pass_memory_of_huge_vectors():
+    # Vectors of 256 MiB at d = 16: by default the reverse pass keeps two of them
+    # (a checkpoint and a spare one for the binomial schedule) besides its working
+    # vectors, where storing all would keep 16. (Compiled only.)
+    n, d = 2**26, 16
+    A = jax.ShapeDtypeStruct((n,), jnp.float32)
+    x0 = jax.ShapeDtypeStruct((n,), jnp.float32)
+    coeffs = jax.ShapeDtypeStruct((d,), jnp.float32)
+
+    def op(a):
+        return lambda x: a * x + jnp.roll(x, 1)
+
+    def readout(a, x0, coeffs):
+        return jnp.sum(krylovjax.polynomial_action(op(a), x0, coeffs) ** 2)
+
+    vector = n * 4
+    got = temp_bytes(jax.value_and_grad(readout, (0, 1, 2)), A, x0, coeffs)
+    assert got < 9 * vector, got / vector
 
 
 # ------------------------------------------------------------------- errors
@@ -395,11 +421,11 @@ def test_coefficient_errors(coeffs, x0, match):
     assert match in str(info.value)
 
 
-@pytest.mark.parametrize("every", [0, -1, 2.0, True])
-def test_checkpoint_every_errors(every):
+@pytest.mark.parametrize("checkpoints", [-1, 2.0, True])
+def test_checkpoints_errors(checkpoints):
     with pytest.raises((TypeError, ValueError)) as info:
-        unchecked(krylovjax.krylov_readout)(A3, X3, 3, A3, checkpoint_every=every)
-    assert "krylov_readout(checkpoint_every=...)" in str(info.value)
+        unchecked(krylovjax.krylov_readout)(A3, X3, 3, A3, checkpoints=checkpoints)
+    assert "krylov_readout(checkpoints=...)" in str(info.value)
 
 
 def test_layout_error():
