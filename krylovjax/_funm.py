@@ -547,9 +547,11 @@ def _pad(c: Array, d: int) -> Array:
 class _LanczosCoefficients(eqx.Module):
     """$f(T)\\, e_0$ from the diagonal and off-diagonal of $T$, evaluated on its
     leading block of size `block_sizes(d)[index]` (one closure-converted `f` per
-    size)."""
+    size); with `first`, only its first entry, $e_0^\\top f(T)\\, e_0$ (a
+    quadrature, as `trace_funm` stops on)."""
 
     fns: tuple[Callable, ...]
+    first: bool = eqx.field(static=True, default=False)
 
     def __call__(self, small: tuple[Array, Array], index: Array) -> Array:
         diagonal, off_diagonal = small
@@ -564,7 +566,8 @@ class _LanczosCoefficients(eqx.Module):
 
         sizes = block_sizes(d)
         branches = [branch(fn, int(n)) for fn, n in zip(self.fns, sizes, strict=True)]
-        return lax.switch(index, branches, diagonal, off_diagonal)
+        c = lax.switch(index, branches, diagonal, off_diagonal)
+        return c[:1] if self.first else c
 
 
 class _ArnoldiCoefficients(eqx.Module):

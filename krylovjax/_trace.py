@@ -56,16 +56,21 @@ from ._checks import (
 )
 from ._funm import (
     _check_callable,
+    _check_tol,
     _divided_differences,
     _funm_e0,
+    _LanczosCoefficients,
     _result_dtype,
     _scalar_function,
     _working_dtype,
+    block_sizes,
     function_tangent,
+    tolerance,
 )
-from ._lanczos import lanczos_in_working_dtype
+from ._lanczos import lanczos_in_working_dtype, lanczos_with_stop
 from ._operator import AbstractOperator
-from ._orthogonal import Adjoint, check_problem
+from ._orthogonal import Adjoint, check_problem, last_step
+from ._sharding import auto_types, explicit_mesh
 from ._typing import OperatorLike, StaticInt
 
 SAMPLERS = ("rademacher", "normal", "sphere")
@@ -92,7 +97,15 @@ class TraceInfo(eqx.Module):
         `"hutchinson"`, the rank of the sketch's basis $Q$ otherwise (below the
         sketch's size when it is rank-deficient).
     - `num_products`: the products with $A$ the estimate used, a Python int:
-        `num_probes * d` for every estimator.
+        `num_probes * d` for every estimator (with `tol`, the most it may use).
+    - `products_made`: with `tol`, the products the runs made before they
+        stopped, an int array (the block Krylov space of `"krylov-aware"`
+        counts `num_sketch * d`); `None` without `tol`.
+    - `quadrature_error`: with `tol`, the estimated error of the quadratures
+        in the estimate, an array without derivative: the sum of the error
+        estimates of the deflated quadratures and the mean of the remainder's
+        (each $\|z\|^2$ times the relative estimate of `funm_action`'s
+        stop test); `None` without `tol`.
 
     !!! Example
 
@@ -114,6 +127,8 @@ class TraceInfo(eqx.Module):
     standard_error: Real[Array, ""]
     rank: Int[Array, ""]
     num_products: int = eqx.field(static=True)
+    products_made: Int[Array, ""] | None = None
+    quadrature_error: Real[Array, ""] | None = None
 
 
 def trace_funm(
@@ -129,6 +144,7 @@ def trace_funm(
     like: Inexact[Array | np.ndarray, " n"] | jax.ShapeDtypeStruct | None = None,
     reorthogonalize: bool = True,
     adjoint: Adjoint = "custom_jvp",
+    tol: float | None = None,
     return_info: bool = False,
 ) -> Inexact[Array, ""] | tuple[Inexact[Array, ""], TraceInfo]:
     r"""A stochastic estimate of $\operatorname{tr} f(A)$ for symmetric or
@@ -250,8 +266,20 @@ def trace_funm(
     - `reorthogonalize`, `adjoint`: passed on to [`krylovjax.lanczos`][].
         (`adjoint="autodiff"` differentiates the whole estimate by JAX's rules,
         the small eigenproblems by `_funm`'s rule still.)
+    - `tol`: a relative tolerance, a Python float in $(0, 1)$, for each probe's
+        quadrature, with `d` now the largest depth: each Lanczos run stops at
+        the first depth at which its quadrature meets the tolerance by
+        [`krylovjax.funm_action`][]'s a-posteriori estimate (successive
+        approximations, checked at every step up to 16 and then at widening
+        intervals), inside the same compiled program with the static buffer of
+        `d` steps; for `"hutch++"` the sketch's actions stop on $f(T) e_0$
+        instead, and the block Krylov space of `"krylov-aware"` keeps its `d`
+        blocks. The derivatives are exact for the depths used. It bounds the
+        quadrature bias, not the probes' noise: choose `num_probes` for that
+        (see the standard error). `None` (default): `d` steps for every probe.
     - `return_info`: also return a [`krylovjax.TraceInfo`][] (standard error,
-        rank of the sketch, products used).
+        rank of the sketch, products used, and with `tol` the products made and
+        the quadratures' error estimate).
 
     **Returns:**
 
@@ -301,6 +329,8 @@ def trace_funm(
     if sampler is None:
         sampler = "sphere" if estimator == "krylov-aware" else "rademacher"
     check_choice(sampler, SAMPLERS, f"{fn_name}(sampler=...)")
+    if tol is not None:
+        tol = _check_tol(tol, f"{fn_name}(tol=...)")
     if not isinstance(return_info, bool | np.bool_):
         msg = (
             f"`{fn_name}(return_info=...)` must be a bool; got {return_info!r} of "
@@ -340,17 +370,18 @@ def trace_funm(
             f"the block Krylov basis of {d} blocks of {sketch} vectors",
         )
     real = jnp.finfo(dtype).dtype
-    run = _Runs(f, A, d, reorthogonalize, adjoint, f"{fn_name}(f=...)")
+    run = _Runs(f, A, d, reorthogonalize, adjoint, f"{fn_name}(f=...)", tol)
     if estimator == "hutchinson":
         probes = _draw(key, sampler, num_probes, n, real).astype(dtype)
-        terms = run.quadratures(probes)
+        terms, products, errors = run.quadratures(probes)
         deflated, rank = jnp.zeros((), terms.dtype), jnp.zeros((), jnp.int32)
+        spent, error = jnp.sum(products), jnp.mean(errors)
     elif estimator == "hutch++":
-        deflated, terms, rank = _hutch_plus_plus(
+        deflated, terms, rank, spent, error = _hutch_plus_plus(
             run, key, sampler, num_probes, sketch, n, dtype
         )
     else:
-        deflated, terms, rank = _krylov_aware(
+        deflated, terms, rank, spent, error = _krylov_aware(
             run, operator, key, sampler, num_probes, sketch, d, n, dtype
         )
     both = standard_result_type(terms.dtype, deflated.dtype)
@@ -362,6 +393,8 @@ def trace_funm(
         standard_error=_standard_error(terms),
         rank=rank,
         num_products=num_probes * d,
+        products_made=None if tol is None else spent.astype(jnp.int32),
+        quadrature_error=None if tol is None else lax.stop_gradient(error),
     )
     return estimate, info
 
@@ -370,8 +403,13 @@ _DEFLATED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class _Runs(eqx.Module):
-    """Lanczos runs from a batch of vectors: quadratures $\\|z\\|^2 e_0^\\top f(T)
-    e_0$ of $z^\\top f(A) z$, or actions $f(A) z \\approx \\|z\\| Q f(T) e_0$."""
+    r"""Lanczos runs from a batch of vectors: quadratures $\|z\|^2 e_0^\top f(T)
+    e_0$ of $z^\top f(A) z$, or actions $f(A) z \approx \|z\| Q f(T) e_0$.
+
+    With `tol`, each run ends at the first depth at which its result (the
+    quadrature, or $f(T) e_0$ for an action) meets `tol` by `funm_action`'s stop
+    test (`_funm.Tolerance`), and every method also returns the products each run
+    made and, for quadratures, each one's error estimate."""
 
     f: Callable
     A: Any
@@ -379,28 +417,63 @@ class _Runs(eqx.Module):
     reorthogonalize: bool = eqx.field(static=True)
     adjoint: str = eqx.field(static=True)
     arg: str = eqx.field(static=True)
+    tol: float | None = eqx.field(static=True, default=None)
 
-    def _lanczos(self, vectors: Array):
-        def one(z):
-            dec = lanczos_in_working_dtype(
-                self.A,
-                z,
-                self.d,
-                reorthogonalize=self.reorthogonalize,
-                adjoint=self.adjoint,  # pyright: ignore[reportArgumentType]
+    def _lanczos(self, vectors: Array, quadrature: bool):
+        options = {
+            "reorthogonalize": self.reorthogonalize,
+            "adjoint": self.adjoint,
+        }
+        if self.tol is None:
+
+            def one(z):
+                dec = lanczos_in_working_dtype(self.A, z, self.d, **options)  # pyright: ignore[reportArgumentType]
+                return dec, jnp.zeros((), jnp.finfo(dec.diagonal.dtype).dtype)
+
+        else:
+            stop = self._stop(vectors, quadrature)
+
+            def one(z):
+                return lanczos_with_stop(self.A, z, self.d, stop, **options)  # pyright: ignore[reportArgumentType]
+
+        dec, estimate = jax.vmap(one)(vectors)
+        return dec.basis, dec.diagonal, dec.off_diagonal, dec.norm, estimate
+
+    def _stop(self, vectors: Array, quadrature: bool):
+        """The stop test: on $e_0^\top f(T_j) e_0$ for a quadrature, on
+        $f(T_j) e_0$ for an action."""
+        assert self.tol is not None
+        real = _working_dtype(jnp.finfo(vectors.dtype).dtype)
+        d = self.d
+        # Its functions run inside the decomposition, with a mesh's axes `Auto`.
+        with auto_types(explicit_mesh(self.A, vectors)):
+            fns = tuple(
+                _scalar_function(self.f, jnp.zeros((int(n),), real), self.arg)
+                for n in block_sizes(d)
             )
-            return dec.basis, dec.diagonal, dec.off_diagonal, dec.norm
-
-        return jax.vmap(one)(vectors)
+            small = (jnp.zeros((d,), real), jnp.zeros((d - 1,), real))
+            coefficients = _LanczosCoefficients(fns, first=quadrature)
+            return tolerance(coefficients, small, d, self.tol)
 
     def _small(self, diagonal: Array, off_diagonal: Array) -> Array:
         work = diagonal.dtype
         fn = _scalar_function(self.f, jnp.zeros_like(diagonal), self.arg)
         return _funm_e0(fn, diagonal, off_diagonal.astype(work))
 
-    def quadratures(self, vectors: Array) -> Array:
+    def _products(self, off_diagonal: Array) -> Array:
+        """The steps each run made: all `d`, or up to the one that ended it."""
+        if self.tol is None:
+            return jnp.full(off_diagonal.shape[:1], self.d, jnp.int32)
+        zero = jnp.zeros((off_diagonal.shape[0], 1), off_diagonal.dtype)
+        betas = lax.stop_gradient(jnp.concatenate([off_diagonal, zero], axis=1))
+        return (jax.vmap(last_step)(betas) + 1).astype(jnp.int32)
+
+    def quadratures(self, vectors: Array) -> tuple[Array, Array, Array]:
+        """The terms, the products of each run and each term's error estimate
+        (zero without `tol`)."""
+
         def quadrature(run):
-            _, diagonal, off_diagonal, norm = run
+            _, diagonal, off_diagonal, norm, _ = run
             c = self._small(diagonal, off_diagonal)[0]
             out = standard_result_type(c.dtype, diagonal.dtype)
             return (norm * norm).astype(out) * c.astype(out)
@@ -417,16 +490,24 @@ class _Runs(eqx.Module):
         square = lax.stop_gradient(jnp.sum(jnp.abs(vectors) ** 2, axis=1))
         empty = square == 0
         start = jnp.where(empty[:, None], jnp.ones_like(vectors), vectors)
-        terms = lax.map(quadrature, self._lanczos(start))
-        return jnp.where(empty, jnp.zeros_like(terms), terms)
+        runs = self._lanczos(start, quadrature=True)
+        terms = lax.map(quadrature, runs)
+        terms = jnp.where(empty, jnp.zeros_like(terms), terms)
+        products = jnp.where(empty, 0, self._products(runs[2]))
+        norm, estimate = lax.stop_gradient(runs[3]), runs[4]
+        errors = jnp.where(empty, 0, norm * norm * estimate.astype(norm.dtype))
+        return terms, products, errors
 
-    def actions(self, vectors: Array) -> Array:
+    def actions(self, vectors: Array) -> tuple[Array, Array]:
+        """The actions, and the products of each run."""
+
         def action(run):
-            basis, diagonal, off_diagonal, norm = run
+            basis, diagonal, off_diagonal, norm, _ = run
             c = self._small(diagonal, off_diagonal)
             return (norm * (basis @ c.astype(basis.dtype))).astype(vectors.dtype)
 
-        return lax.map(action, self._lanczos(vectors))
+        runs = self._lanczos(vectors, quadrature=False)
+        return lax.map(action, runs), self._products(runs[2])
 
 
 # ----------------------------------------------------------------- estimators
@@ -434,14 +515,19 @@ class _Runs(eqx.Module):
 
 def _hutch_plus_plus(
     run: _Runs, key: Array, sampler: str, m: int, k: int, n: int, dtype: Any
-) -> tuple[Array, Array, Array]:
-    """Hutch++ on $f(A)$: the deflated trace, the remainder's terms, the rank."""
+) -> tuple[Array, Array, Array, Array, Array]:
+    """Hutch++ on $f(A)$: the deflated trace, the remainder's terms, the rank, the
+    products made and the quadratures' error estimate."""
     key_sketch, key_rest = jr.split(key)
     sketch = jr.normal(key_sketch, (k, n), dtype)
-    Q = _orthonormal_rows(run.actions(sketch), jnp.zeros((0, n), dtype))
-    deflated = jnp.sum(run.quadratures(Q))
-    terms = run.quadratures(_remainder_probes(key_rest, sampler, m - 2 * k, Q))
-    return deflated, terms, _rank(Q)
+    actions, sketched = run.actions(sketch)
+    Q = _orthonormal_rows(actions, jnp.zeros((0, n), dtype))
+    heads, head_products, head_errors = run.quadratures(Q)
+    remainder = _remainder_probes(key_rest, sampler, m - 2 * k, Q)
+    terms, products, errors = run.quadratures(remainder)
+    spent = jnp.sum(sketched) + jnp.sum(head_products) + jnp.sum(products)
+    error = jnp.sum(head_errors) + jnp.mean(errors)
+    return jnp.sum(heads), terms, _rank(Q), spent, error
 
 
 # The share of the block Krylov space that is deflated: its first ceil(d / 2)
@@ -461,9 +547,9 @@ def _krylov_aware(
     d: int,
     n: int,
     dtype: Any,
-) -> tuple[Array, Array, Array]:
+) -> tuple[Array, Array, Array, Array, Array]:
     """Chen and Hallman's estimator: the deflated trace, the remainder's terms,
-    the rank."""
+    the rank, the products made and the remainder's quadrature error estimate."""
     key_sketch, key_rest = jr.split(key)
     omega = jr.normal(key_sketch, (b, n), dtype)
     basis, products = _block_krylov(operator, omega, d)
@@ -473,8 +559,10 @@ def _krylov_aware(
     head = visible & (jnp.arange(d * b) < _deflated_blocks(d) * b)
     deflated = _head_trace(run.f, T, visible, head, run.arg)
     Q = jnp.where(head[:, None], basis, jnp.zeros_like(basis))
-    terms = run.quadratures(_remainder_probes(key_rest, sampler, m - b, Q))
-    return deflated, terms, _rank(Q)
+    remainder = _remainder_probes(key_rest, sampler, m - b, Q)
+    terms, products, errors = run.quadratures(remainder)
+    spent = b * d + jnp.sum(products)
+    return deflated, terms, _rank(Q), spent, jnp.mean(errors)
 
 
 def _block_krylov(
