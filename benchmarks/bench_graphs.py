@@ -575,7 +575,7 @@ def rss_child(args) -> int:
     report: dict = {"method": method, "case": case, "n": args.n}
     try:
         # Only the library this method needs is imported.
-        if method == "krylovjax":
+        if method in ("krylovjax", "materialising"):
             import jax  # noqa: F401
 
             import krylovjax  # noqa: F401

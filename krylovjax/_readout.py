@@ -538,45 +538,61 @@ def _reverse_binomial(adj: _Adjoint, acc, stored, first, plan: _Plan):
     `_schedule.reverse_actions`: one loop over their actions, with the working
     state, `plan.spare` slots and `acc` as its carry. A checkpoint is read where
     the schedule loads it (`first` for `x0`, else a row of `stored`), so that no
-    copy of it is kept."""
+    copy of it is kept.
+
+    Each conditional carries only what it changes, because XLA copied whatever
+    passed through one of its branches unchanged, at every action (the slots;
+    the operator's gradient, n^2 numbers for a dense matrix): the working state
+    moves by a `lax.switch` (advance, load, or stay), the adjoint step is a
+    `lax.cond` on `acc`, and the slots are written outside both, every action
+    writing one slot back (the working state for `STORE`, its own contents
+    otherwise)."""
     table = reverse_actions(plan.d, plan.every, plan.spare)
     actions = jnp.asarray(np.asarray(table, np.int32))
     slots = jtu.tree_map(lambda v: _stack_like(v, max(plan.spare, 1)), first)
+    last = max(plan.spare, 1) - 1
 
-    def advance(k, state, slots, acc):
-        return _advance(adj.operator, state, adj.padded, k), slots, acc
+    def advance(k, state, slots):
+        return _advance(adj.operator, state, adj.padded, k)
 
-    def store(i, state, slots, acc):
-        slots = jtu.tree_map(
-            lambda s, v: lax.dynamic_update_index_in_dim(s, v, i, 0), slots, state
-        )
-        return state, slots, acc
+    def keep(k, state, slots):
+        return state
 
-    def load(i, state, slots, acc):
+    def load(i, state, slots):
         c = -i - 1  # the checkpoint, for i < 0
 
         def pick(f, kept, s):
             if s is not None:
                 s = lax.dynamic_index_in_dim(s, jnp.maximum(c - 1, 0), 0, False)
                 f = jnp.where(c == 0, f, s)
-            kept = lax.dynamic_index_in_dim(kept, jnp.maximum(i, 0), 0, False)
+            kept = lax.dynamic_index_in_dim(kept, jnp.clip(i, 0, last), 0, False)
             return jnp.where(i < 0, f, kept)
 
         if stored is None:
-            state = jtu.tree_map(lambda f, k: pick(f, k, None), first, slots)
-        else:
-            state = jtu.tree_map(pick, first, slots, stored)
-        return state, slots, acc
+            return jtu.tree_map(lambda f, k: pick(f, k, None), first, slots)
+        return jtu.tree_map(pick, first, slots, stored)
 
-    def adjoint(k, state, slots, acc):
-        xs = _current(state)[None]
-        return state, slots, _reverse_vectors(adj, acc, xs, k, 1)
-
-    branches = [advance, store, load, adjoint]
+    branches = [advance, keep, load, keep]
     assert [ADVANCE, STORE, LOAD, ADJOINT] == list(range(4))
 
     def body(j, carry):
-        return lax.switch(actions[j, 0], branches, actions[j, 1], *carry)
+        state, slots, acc = carry
+        kind, arg = actions[j, 0], actions[j, 1]
+        i = jnp.clip(arg, 0, last)
+
+        def write(s, v):
+            kept = lax.dynamic_index_in_dim(s, i, 0, False)
+            v = jnp.where(kind == STORE, v, kept)
+            return lax.dynamic_update_index_in_dim(s, v, i, 0)
+
+        slots = jtu.tree_map(write, slots, state)
+        state = lax.switch(kind, branches, arg, state, slots)
+
+        def adjoint(acc):
+            return _reverse_vectors(adj, acc, _current(state)[None], arg, 1)
+
+        acc = lax.cond(kind == ADJOINT, adjoint, lambda acc: acc, acc)
+        return state, slots, acc
 
     _, _, acc = lax.fori_loop(0, len(table), body, (first, slots, acc))
     return acc
