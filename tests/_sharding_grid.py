@@ -1,10 +1,12 @@
 """Every public function on four forced host devices, over a generated grid of layouts.
 
-`tests/test_sharding.py` runs the suite's subset in subprocesses (the device count
-is fixed when JAX starts); the full grid is a CI step of its own:
+CI runs the subset as a step of its own, in subprocesses (the device count is
+fixed when JAX starts); `tests/test_sharding.py` checks the subset's cover without
+running a cell, and the full grid is run by hand:
 
-    python tests/_sharding_grid.py --all --parallel  # exit status 1 on a failure
-    python tests/_sharding_grid.py --shard 0         # half the subset, as JSON
+    python tests/_sharding_grid.py --parallel        # exit status 1 on a failure
+    python tests/_sharding_grid.py --all --parallel  # the full grid
+    python tests/_sharding_grid.py --shard 0 --json  # half the subset, as JSON
 
 (`--parallel` runs the two halves, `SHARDS`, in two processes at once; `--list`
 prints the cells, `--function` and `--only` select some.)
@@ -90,8 +92,8 @@ is the `TARGETED` cells (output shardings, doubling's two reverse-pass schemes,
 arrays placed on no mesh, layouts that once failed) and, added greedily and
 deterministically (`cover`), cells until every pair of values of two of the five
 dimensions and the context occurs, and every option's value with every mesh type
-(`krylov`'s and `iterate`'s options with every dimension). The test suite runs
-the `TARGETED` cells alone (`--targeted`).
+(`krylov`'s and `iterate`'s options with every dimension). `--targeted` runs
+the `TARGETED` cells alone.
 
 Sizes are tiny (`N`, `D`, `B`): a cell costs its compilation, which is why the
 programs are compiled with most XLA optimisations off (a fifth faster), the
@@ -325,7 +327,7 @@ def _krylov(mesh, A, x0, method, layout, **extra):
     )
 
 
-# Cells the suite always runs: guarantees beyond values and derivatives, and the
+# Cells the subset always holds: guarantees beyond values and derivatives, and the
 # layouts that once failed. They count towards the subset's pairs.
 TARGETED = (
     # The output shardings that docs/multi_device.md tabulates for an `Auto` mesh:

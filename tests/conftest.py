@@ -27,13 +27,13 @@ jax.config.update("jax_disable_most_optimizations", True)
 settings.register_profile("krylovjax", max_examples=20, deadline=None)
 settings.load_profile("krylovjax")
 
-# The longest tests (the sharding grid's subprocesses, the trace estimators and the
-# block decompositions, which compile slowly, the examples, the two-process
-# partition test) first, so that under pytest-xdist no worker starts one of them
-# while the other has run out of work; otherwise the collection order.
+# The longest tests (the trace estimators and the block decompositions, which
+# compile slowly, the examples, the two-process partition test) first, so that
+# under pytest-xdist no worker starts one of them while the other has run out of
+# work; otherwise the collection order.
 FIRST = (
-    "test_sharding.py",
     "test_trace.py",
+    "test_trace_tol.py",
     "test_block.py",
     "test_examples.py",
     "test_partition.py",

@@ -7,6 +7,8 @@ The sweep is the error at every depth from one decomposition of the maximum dept
 block of the small matrix), against SciPy's `expm` and NumPy's `eigh`.
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -76,15 +78,17 @@ def test_depth_against_a_sweep_and_the_true_error():
     L, K = path_laplacian(n), spd_kernel(n)
     b = np.random.default_rng(1).normal(size=n)
     w, V = np.linalg.eigh(K)
+    # The maximum depths: above the depths used (17 and 11), and small, since the
+    # stop test holds one copy of `f` per size in `block_sizes(d)` (8, 16, d).
     cases = {
-        "exp lanczos": (L, scipy.linalg.expm(-t * L) @ b, 40),
-        "exp arnoldi": (L, scipy.linalg.expm(-t * L) @ b, 40),
-        "inverse sqrt": (K, V @ (w**-0.5 * (V.T @ b)), 60),
+        "exp lanczos": (L, scipy.linalg.expm(-t * L) @ b, 24),
+        "exp arnoldi": (L, scipy.linalg.expm(-t * L) @ b, 24),
+        "inverse sqrt": (K, V @ (w**-0.5 * (V.T @ b)), 16),
     }
     sweeps = {
-        "exp lanczos": lanczos_sweep(L, b, 40, lambda x: np.exp(-t * x)),
-        "exp arnoldi": arnoldi_sweep(L, b, 40, t),
-        "inverse sqrt": lanczos_sweep(K, b, 60, lambda x: x**-0.5),
+        "exp lanczos": lanczos_sweep(L, b, 24, lambda x: np.exp(-t * x)),
+        "exp arnoldi": arnoldi_sweep(L, b, 24, t),
+        "inverse sqrt": lanczos_sweep(K, b, 16, lambda x: x**-0.5),
     }
     functions = {
         "exp lanczos": (lambda x: jnp.exp(-t * x), "lanczos"),
@@ -134,11 +138,10 @@ def test_maximum_depth_reached_and_breakdown():
     def run(A, b, b_inv):
         short = krylovjax.funm_action(jnp.log, A, b, 4, method="lanczos", tol=1e-12)
         fixed = krylovjax.funm_action(jnp.log, A, b, 4, method="lanczos")
-        broken = krylovjax.funm_action(
-            jnp.log, A, b_inv, 10, method="lanczos", tol=1e-8
-        )
+        # At most 8 vectors: the stop test holds one copy of `f` (`block_sizes`).
+        broken = krylovjax.funm_action(jnp.log, A, b_inv, 8, method="lanczos", tol=1e-8)
         arnoldi = krylovjax.funm_action(
-            jax.scipy.linalg.expm, A, b_inv, 10, method="arnoldi", tol=1e-8
+            jax.scipy.linalg.expm, A, b_inv, 8, method="arnoldi", tol=1e-8
         )
         return short, fixed, broken, arnoldi
 
@@ -154,12 +157,20 @@ def test_maximum_depth_reached_and_breakdown():
         np.testing.assert_allclose(got, fn(np.diag(A)) * b_inv, rtol=1e-12, atol=1e-15)
 
 
+def resolvent(shift, H):
+    """(shift I - H)^{-1}: a matrix function cheaper to compile than `expm`."""
+    eye = jnp.eye(H.shape[0], dtype=H.dtype)
+    return jnp.linalg.solve(shift.astype(H.dtype) * eye - H, eye)
+
+
 def test_derivatives_are_those_of_the_approximation_returned():
     """With respect to a BCOO matrix's values, `b`, and a time `f` closes over
-    (Lanczos), and a callable's arrays (Arnoldi): the default rules against JAX's
-    own rules through the same early-stopped scan, against the derivatives of the
-    fixed-depth call at the depth used, and against finite differences in forward
-    and reverse mode, from one program."""
+    (Lanczos: exp(-t x); Arnoldi: the resolvent at -3 - t), and a callable's arrays
+    (Arnoldi): the default rules against JAX's own rules through the same
+    early-stopped scan, against the derivatives of the fixed-depth call at the
+    depth used, and against finite differences in forward and reverse mode. The
+    default rules, autodiff and the depths used in one program, the fixed depths
+    in a second."""
     n, d = 14, 14
     L = path_laplacian(n)
     p_bcoo, build_bcoo = full_operator("bcoo", L)
@@ -168,73 +179,62 @@ def test_derivatives_are_those_of_the_approximation_returned():
     t = jnp.asarray(0.7, jnp.float64)
     tol = 1e-7
 
-    def call(adjoint, depths=(d, d)):
+    def call(adjoint, depths=None, report=False):
         def f(p_bcoo, p_closure, b, t):
             kw = {"adjoint": adjoint}
-            if depths == (d, d):
+            if depths is None:
                 kw["tol"] = tol
             lanczos = krylovjax.funm_action(
                 lambda x: jnp.exp(-t * x),
                 build_bcoo(p_bcoo),
                 b,
-                depths[0],
+                d if depths is None else depths[0],
                 method="lanczos",
                 **kw,
             )
             arnoldi = krylovjax.funm_action(
-                lambda H: expm(-t * H),
+                lambda H: resolvent(-3 - t, H),
                 build_closure(p_closure),
                 b,
-                depths[1],
+                d if depths is None else depths[1],
                 method="arnoldi",
                 **kw,
             )
-            if "tol" not in kw:
+            if depths is not None:
                 return lanczos, arnoldi
-            return lanczos[0], arnoldi[0]
+            values = (lanczos[0], arnoldi[0])
+            # The depths used, beside the values (not differentiated).
+            return (values, (lanczos[1].depth, arnoldi[1].depth)) if report else values
 
         return f
 
     args = (p_bcoo, p_closure, b, t)
-    depths = jax.jit(
-        lambda *a: [
-            krylovjax.funm_action(
-                lambda x: jnp.exp(-a[3] * x),
-                build_bcoo(a[0]),
-                a[2],
-                d,
-                method="lanczos",
-                tol=tol,
-            )[1].depth,
-            krylovjax.funm_action(
-                lambda H: expm(-a[3] * H),
-                build_closure(a[1]),
-                a[2],
-                d,
-                method="arnoldi",
-                tol=tol,
-            )[1].depth,
-        ]
-    )(*args)
-    depths = tuple(int(k) for k in depths)
-    assert all(k < d for k in depths)
     tangents = random_like(jr.key(3), args)
     cts = random_like(jr.key(4), jax.eval_shape(call("custom_jvp"), *args))
 
     @jax.jit
     def run(args, tangents, cts):
-        custom = value_vjp_jvp(call("custom_jvp"), args, tangents, cts)
+        out, linear, used = jax.linearize(
+            call("custom_jvp", report=True), *args, has_aux=True
+        )
+        custom = (out, jax.linear_transpose(linear, *args)(cts), linear(*tangents))
         autodiff = value_vjp_jvp(call("autodiff"), args, tangents, cts)
-        fixed = value_vjp_jvp(call("custom_jvp", depths), args, tangents, cts)
-        return custom, autodiff, fixed
+        return custom, autodiff, used
 
-    custom, autodiff, fixed = run(args, tangents, cts)
+    custom, autodiff, used = run(args, tangents, cts)
+    depths = tuple(int(k) for k in used)
+    assert all(k < d for k in depths), depths
+    fixed = jax.jit(partial(value_vjp_jvp, call("custom_jvp", depths)))(
+        args, tangents, cts
+    )
     for other in (autodiff, fixed):
         for got, want in zip(
             jax.tree.leaves(custom), jax.tree.leaves(other), strict=True
         ):
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
-    check_finite_differences(call("custom_jvp"), lambda *a: run(*a)[0], args, rtol=1e-6)
+    check_finite_differences(
+        call("custom_jvp"), lambda *a: run(*a)[:2][0], args, rtol=1e-6
+    )
 
 
 def test_vmap_gives_each_vector_its_own_depth():
