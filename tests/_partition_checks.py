@@ -21,7 +21,8 @@ import sys
 DEVICES = 2  # CPU devices per process
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+    flags = f"--xla_force_host_platform_device_count={DEVICES}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -58,7 +58,14 @@ def _run(path: pathlib.Path, args: list[str], tmp_path: pathlib.Path):
     """Run one example from the repository root with `TMPDIR` under `tmp_path`."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
+    # With XLA's default code generation: conftest.py turns the fusion emitters
+    # off for the tests' own programs only. (An example may set `XLA_FLAGS` itself
+    # where it is unset.)
     env = {**os.environ, "TMPDIR": str(tmpdir)}
+    flags = env.pop("XLA_FLAGS", "").split()
+    flags = [f for f in flags if not f.startswith("--xla_cpu_use_fusion_emitters")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     before = _repository_state()
     result = subprocess.run(
         [sys.executable, str(path), *args],
