@@ -42,7 +42,7 @@ intermediates of every step, the basis buffer included, so its memory grows as
 $d^2 b\, n$; the hand-written rules of the single-vector methods, which keep only
 the outputs, have no block counterpart yet.
 
-**Quadrature** (`block_funm_action`, `block_trace_quadrature`). With $C = E_0 R_0$
+**Quadrature** (`block_action`, `block_trace_quadrature`). With $C = E_0 R_0$
 the first block column of the identity times $R_0$, $f(A) B \approx Q f(T) C$ and
 $\operatorname{tr}(Z^H f(A) Z) \approx \operatorname{tr}(C^H f(T) C)$ (block Gauss
 quadrature), $f$ applied to the eigenvalues of $T = V \Lambda V^H$
@@ -68,8 +68,12 @@ from jaxtyping import Array, Inexact
 
 from ._checks import as_array, check_choice, check_depth, check_output_size
 from ._funm import (
+    _MATRIX_FUNCTION_HINT,
     _check_callable,
+    _check_output,
     _divided_differences,
+    _hidden_point,
+    _result_dtype,
     _scalar_function,
     function_tangent,
 )
@@ -491,43 +495,42 @@ def _subdiagonal(B: Array) -> Array:
 # -------------------------------------------------------------- the quadrature
 
 
-def block_funm_action(
+def block_action(
     f: Callable[[Array], Array],
     A: OperatorLike,
     B: Inexact[Array | np.ndarray, "n b"],
     d: StaticInt,
     *,
+    method: Literal["lanczos", "arnoldi"],
     reorthogonalize: bool = True,
+    fn_name: str = "funm_action",
 ) -> Inexact[Array, "n b"]:
-    r"""$f(A)\, B \approx Q f(T) E_0 R_0$ from [`krylovjax.block_lanczos`][] of $A$
-    (symmetric or Hermitian) and $B$, with $f$ a scalar function applied to the
-    eigenvalues of $T$: exact (to rounding) for $d b = n$ and for a polynomial
-    $f$ of degree below $d$. Differentiable in forward and reverse mode: JAX's
-    rules through the decomposition, and a Daleckii-Krein rule for $f(T)$ that
-    stays finite at the repeated eigenvalues a deflation leaves.
+    r"""$f(A)\, B \approx Q f(S) E_0 R_0$ from $d$ blocks of the block Krylov space
+    of $A$ and $B$: what [`krylovjax.funm_action`][] computes for a block `b`.
 
-    **Arguments:**
+    - `method="lanczos"` ($A$ symmetric or Hermitian): $S = T$ of
+        [`krylovjax.block_lanczos`][], `f` a scalar function applied to its
+        eigenvalues; a Daleckii-Krein rule differentiates $f(T) E_0 R_0$, finite
+        at the repeated eigenvalues a deflation leaves.
+    - `method="arnoldi"` (any $A$): $S = H$ of [`krylovjax.block_arnoldi`][], `f`
+        a matrix function called on the `(d b, d b)` matrix. The rows and columns
+        of deflated columns (zero in $H$, unseen by $E_0 R_0$) get $c$ on the
+        diagonal (`_funm._hidden_point`), so that an `f` infinite at 0 (`inv`,
+        `log`) stays finite on what the result sees; $f(H) E_0 R_0$ is unchanged.
 
-    - `f`: a scalar function, applied elementwise to the `(d b,)` eigenvalues of
-        $T$ (`jnp.exp`, `jnp.log`, a closure over arrays, which are
-        differentiated too).
-    - `A`: a symmetric or Hermitian operator, as for [`krylovjax.block_lanczos`][].
-    - `B`: the block, `(n, b)`.
-    - `d`: the number of blocks, `d b <= n`.
-    - `reorthogonalize`: as for [`krylovjax.block_lanczos`][].
-
-    **Returns:**
-
-    $f(A) B$, `(n, b)`, in the problem's dtype.
+    Exact (to rounding) for $d b = n$ and for a polynomial $f$ of degree below
+    $d$. A zero block gives zeros ($S$ is then replaced by the identity).
+    Differentiable in forward and reverse mode, by JAX through the block
+    decomposition's scan.
 
     !!! Example
 
         ```python
         >>> import jax.numpy as jnp
-        >>> from krylovjax._block import block_funm_action
+        >>> from krylovjax._block import block_action
         >>> A = jnp.diag(jnp.array([1.0, 2.0, 3.0, 4.0]))
         >>> B = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
-        >>> jnp.round(block_funm_action(jnp.sqrt, A, B, 2), 4) + 0.0
+        >>> jnp.round(block_action(jnp.sqrt, A, B, 2, method="lanczos"), 4) + 0.0
         Array([[1.    , 0.    ],
                [0.    , 1.4142],
                [1.7321, 0.    ],
@@ -535,12 +538,54 @@ def block_funm_action(
 
         ```
     """
-    Q, T, C, dtype = _quadrature_setup(
-        f, A, B, d, reorthogonalize, "block_funm_action", "B"
-    )
-    fn = _scalar_function(f, jnp.zeros((T.shape[0],), jnp.finfo(T.dtype).dtype), "f")
-    Y = _funm_columns(fn, T, C)
-    return (Q @ Y.astype(Q.dtype)).astype(dtype)
+    if method == "lanczos":
+        Q, T, C, dtype = _quadrature_setup(f, A, B, d, reorthogonalize, fn_name, "b")
+        fn = _scalar_function(
+            f,
+            jnp.zeros((T.shape[0],), jnp.finfo(T.dtype).dtype),
+            f"{fn_name}(f=...)",
+            _MATRIX_FUNCTION_HINT,
+        )
+        Y = _funm_columns(fn, T, C)
+    else:
+        _check_callable(f, f"{fn_name}(f=...)")
+        operator, B, d = check_block_problem(
+            A, B, d, reorthogonalize, "autodiff", fn_name, "b"
+        )
+        m = d * B.shape[1]
+        work = working_dtype(B.dtype)
+        what = f"the ({m}, {m}) matrix H to a ({m}, {m}) array"
+        _check_output(
+            jax.eval_shape(f, jax.ShapeDtypeStruct((m, m), work)),
+            (m, m),
+            f"{fn_name}(f=...)",
+            what,
+        )
+        kinds = ("rows", "small", "rows", "small")
+        Q_rows, H, _, R0 = decompose(
+            _arnoldi_forward,
+            operator,
+            B,
+            d,
+            bool(reorthogonalize),
+            kinds,
+            rounded=False,
+        )
+        Q, dtype = Q_rows.T, B.dtype
+        C = jnp.zeros((m, R0.shape[0]), R0.dtype).at[: R0.shape[0]].set(R0)
+        Y = f(_seen(f, H, lax.stop_gradient(jnp.any(Q_rows != 0, axis=1)))) @ C
+    out = Q.astype(Y.dtype) @ Y if jnp.iscomplexobj(Y) else Q @ Y.astype(Q.dtype)
+    return out.astype(_result_dtype(dtype, Y.dtype))
+
+
+def _seen(f: Callable, H: Array, visible: Array) -> Array:
+    r"""$H$ with the rows and columns of deflated columns (`~visible`, zero in
+    $H$) given $c$ on the diagonal, `_funm._hidden_point`'s value for the visible
+    part; the identity when nothing is visible (a zero block)."""
+    block = jnp.where(visible[:, None] & visible[None, :], H, jnp.zeros_like(H))
+    c = _hidden_point(f, lax.stop_gradient(block))
+    c = jnp.where(jnp.any(visible), c, jnp.ones_like(c))
+    return block + jnp.diag(jnp.where(visible, jnp.zeros_like(c), c))
 
 
 def block_trace_quadrature(
@@ -572,6 +617,37 @@ def block_trace_quadrature(
         f, A, Z, d, reorthogonalize, "block_trace_quadrature", "Z"
     )
     fn = _scalar_function(f, jnp.zeros((T.shape[0],), jnp.finfo(T.dtype).dtype), "f")
+    return _quadrature_value(fn, T, C, dtype)
+
+
+def block_trace_terms(
+    f: Callable[[Array], Array],
+    A: OperatorLike,
+    Z: Inexact[Array, "k n b"],
+    d: int,
+    reorthogonalize: bool,
+    fn_name: str,
+) -> Array:
+    r"""`block_trace_quadrature` of each of the `k` blocks `Z[i]`: the block
+    Lanczos runs batched by `jax.vmap`, their small eigenproblems one at a time
+    (`lax.map`; jaxlib's batched `eigh` on CPU can deadlock two batches that run
+    at once, see `_trace._Runs.quadratures`)."""
+    _check_callable(f, f"{fn_name}(f=...)")
+
+    def setup(B):
+        _, T, C, _ = _quadrature_setup(f, A, B, d, reorthogonalize, fn_name, "probes")
+        return T, C
+
+    Ts, Cs = jax.vmap(setup)(Z)
+    dtype = Z.dtype
+    fn = _scalar_function(
+        f, jnp.zeros((Ts.shape[1],), jnp.finfo(Ts.dtype).dtype), f"{fn_name}(f=...)"
+    )
+    return lax.map(lambda TC: _quadrature_value(fn, TC[0], TC[1], dtype), (Ts, Cs))
+
+
+def _quadrature_value(fn: Callable, T: Array, C: Array, dtype: Any) -> Array:
+    r"""$\operatorname{tr}(C^H f(T) C)$, real for a real `fn`."""
     Y = _funm_columns(fn, T, C)
     out = jnp.sum(conj(C).astype(Y.dtype) * Y)
     if not jnp.iscomplexobj(fn(jnp.diagonal(T).real)):
@@ -582,7 +658,9 @@ def block_trace_quadrature(
 
 
 def _quadrature_setup(f, A, B, d, reorthogonalize, fn_name, block):
-    """The basis, $T$, $E_0 R_0$ (in the working dtype) and the problem's dtype."""
+    """The basis, $T$, $E_0 R_0$ (in the working dtype) and the problem's dtype.
+    For a zero block, $T$ is the identity instead: its result is multiplied by
+    $R_0 = 0$, and `f` may be infinite at 0."""
     _check_callable(f, f"{fn_name}(f=...)")
     operator, B, d = check_block_problem(
         A, B, d, reorthogonalize, "autodiff", fn_name, block
@@ -598,6 +676,7 @@ def _quadrature_setup(f, A, B, d, reorthogonalize, fn_name, block):
         rounded=False,
     )
     T = _block_tridiagonal(diagonal, off)
+    T = jnp.where(jnp.any(R0 != 0), T, jnp.eye(T.shape[0], dtype=T.dtype))
     C = jnp.zeros((T.shape[0], R0.shape[0]), R0.dtype).at[: R0.shape[0]].set(R0)
     return Q.T, T, C, B.dtype
 

@@ -73,6 +73,7 @@ from ._expansion import chebyshev_action
 from ._lanczos import lanczos_in_working_dtype, lanczos_with_stop
 from ._operator import closure_convert
 from ._orthogonal import (
+    ADJOINTS,
     AbstractStop,
     Adjoint,
     check_problem,
@@ -126,7 +127,7 @@ class FunmInfo(eqx.Module):
 def funm_action(
     f: Callable[[Array], Array],
     A: OperatorLike,
-    b: Inexact[Array | np.ndarray, " n"],
+    b: Inexact[Array | np.ndarray, " n"] | Inexact[Array | np.ndarray, "n k"],
     d: StaticInt,
     *,
     method: Literal["lanczos", "arnoldi", "chebyshev"],
@@ -134,7 +135,7 @@ def funm_action(
     adjoint: Adjoint = "custom_jvp",
     interval: tuple[Any, Any] | None = None,
     tol: float | None = None,
-) -> Inexact[Array, " n"] | tuple[Inexact[Array, " n"], FunmInfo]:
+) -> Inexact[Array, " n *k"] | tuple[Inexact[Array, " n"], FunmInfo]:
     r"""The action $f(A)\, b$ of a matrix function, from $d$ Krylov vectors.
 
     Builds an orthonormal basis $Q$ of the Krylov space
@@ -208,7 +209,10 @@ def funm_action(
         differentiable in `b` there, being homogeneous but not linear, and its
         gradient in `b` is whatever the decomposition's rule gives at a zero
         vector.
-    - `d`: the number of Krylov vectors, a static Python int, `1 <= d <= n`.
+        A block `b` of shape `(n, k)` gives $f(A)\, b$ of shape `(n, k)`
+        (below, **Blocks**).
+    - `d`: the number of Krylov vectors, a static Python int, `1 <= d <= n`;
+        for a block, the number of blocks of $k$ vectors, `d * k <= n`.
     - `method`: `"lanczos"` or `"arnoldi"`, see above. Required.
     - `reorthogonalize`: whether the decomposition re-orthogonalises each new vector
         against all previous ones (default `True`). Without it, Lanczos loses
@@ -266,6 +270,21 @@ def funm_action(
     of their own that stays finite and exact at repeated eigenvalues of $T$ (after a
     breakdown), where JAX's rule for `eigh` gives `nan`; second derivatives
     (`jax.hessian`) go through JAX's rule, so they need distinct eigenvalues.
+
+    **Blocks.** For `b` of shape `(n, k)`, `"lanczos"` and `"arnoldi"` use
+    [`krylovjax.block_lanczos`][] and [`krylovjax.block_arnoldi`][]: $d$ products
+    of $A$ with $k$ vectors build one basis of the block Krylov space
+    $\operatorname{span}\{b, A b, \dots, A^{d-1} b\}$ (dimension $d k$), and
+    $f(A)\, b \approx Q f(S) E_0 R_0$ with $S$ the `(d k, d k)` block tridiagonal
+    or block Hessenberg matrix and $b = Q_0 R_0$; `f` is the same kind of function
+    as for a vector, called on the $d k$ eigenvalues or on the `(d k, d k)`
+    matrix. Each column gets the space of all of them: at equal products, more
+    accurate than $k$ single-vector runs of depth $d$, for an `eigh` (or `f`) of
+    size $d k$. Columns that deflate (a repeated, zero or invariant column) give
+    finite values and derivatives, and a zero block gives zeros. The block
+    methods are differentiated by JAX through their scan in both modes (`adjoint`
+    is for the single-vector rules), and take no `tol` (`jax.vmap` over the
+    columns does). `"chebyshev"` computes each column's action, batched.
 
     **Breakdown.** When the Krylov space is invariant after $k < d$ vectors, the
     rest of the small matrix is invisible from $e_0$ (zero after the breakdown), yet
@@ -332,9 +351,10 @@ def funm_action(
     _check_callable(f, f"{fn_name}(f=...)")
     check_choice(method, METHODS, f"{fn_name}(method=...)")
     b = as_array(b, f"{fn_name}(b=...)")
-    if b.ndim != 1:
+    if b.ndim not in (1, 2):
         msg = (
-            f"`{fn_name}(b=...)` must be one vector of shape (n,); got shape {b.shape}."
+            f"`{fn_name}(b=...)` must be a vector of shape (n,) or a block of shape "
+            f"(n, k); got shape {b.shape}."
         )
         raise ValueError(msg)
     if (method == "chebyshev") != (interval is not None):
@@ -354,8 +374,28 @@ def funm_action(
             raise ValueError(msg)
     if method == "chebyshev":
         check_choice(adjoint, ("custom_jvp", "autodiff"), f"{fn_name}(adjoint=...)")
-        y = chebyshev_action(f, A, b, d, interval, adjoint)
+        if b.ndim == 2:
+            # No inner products: the columns' runs batch into products with blocks.
+            y = jax.vmap(
+                lambda c: chebyshev_action(f, A, c, d, interval, adjoint),
+                in_axes=1,
+                out_axes=1,
+            )(b)
+        else:
+            y = chebyshev_action(f, A, b, d, interval, adjoint)
         return y.astype(_result_dtype(b.dtype, y.dtype))
+    if b.ndim == 2:
+        if tol is not None:
+            msg = (
+                f"`{fn_name}(tol=...)` takes one vector `b`; got a block of shape "
+                f"{b.shape} (`jax.vmap` over its columns gives each its own depth)."
+            )
+            raise ValueError(msg)
+        check_choice(adjoint, ADJOINTS, f"{fn_name}(adjoint=...)")
+        # Imported here: `_block` builds on this module's small-matrix functions.
+        from ._block import block_action
+
+        return block_action(f, A, b, d, method=method, reorthogonalize=reorthogonalize)
     # The decomposition checks its arguments again; this names `funm_action`.
     operator, b_promoted, d = check_problem(
         A, b, d, reorthogonalize, adjoint, fn_name, vector="b"

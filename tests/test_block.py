@@ -31,7 +31,7 @@ from helpers import (
 from jax.experimental import sparse
 
 import krylovjax
-from krylovjax._block import block_funm_action, block_trace_quadrature
+from krylovjax._block import block_trace_quadrature
 
 METHODS = ("lanczos", "arnoldi")
 
@@ -337,24 +337,30 @@ def _log_gradient(A, G):
 
 
 def test_quadrature():
-    """`block_funm_action` (of a callable) and `block_trace_quadrature` (of a BCOO
-    matrix) at d b = n of log(x + t), an f that closes over a parameter t, in one
-    program: against finite differences in float64 in A, B and t, forward and
-    reverse; at t = 0 the closed forms log(A) B and tr(B^T log(A) B), with the
-    gradient of <W, log(A) B> (Daleckii-Krein in NumPy; the decomposition
-    differentiates every entry of A, so along symmetric directions). Then at
-    t = 0 (the logarithm) and starting blocks that deflate, whose unseen
-    eigenvalues log would make infinite: finite values and derivatives, equal
-    columns for the repeated column, a zero column for the zero one, and exact
-    for the invariant subspace, with the derivative in A of Q_0 log(Q_0^T A Q_0)
-    R_0 for the fixed Q_0 R_0 = X (deflated blocks have zero tangents)."""
+    """`funm_action` of a block (method="lanczos", of a callable) and
+    `block_trace_quadrature` (of a BCOO matrix) at d b = n of log(x + t), an f that
+    closes over a parameter t, in one program: against finite differences in float64
+    in A, B and t, forward and reverse; at t = 0 the closed forms log(A) B and
+    tr(B^T log(A) B), with the gradient of <W, log(A) B> (Daleckii-Krein in NumPy;
+    the decomposition differentiates every entry of A, so along symmetric
+    directions). Then at t = 0 (the logarithm) and starting blocks that deflate,
+    whose unseen eigenvalues log would make infinite: finite values and derivatives,
+    equal columns for the repeated column, a zero column for the zero one, and exact
+    for the invariant subspace, with the derivative in A of Q_0 log(Q_0^T A Q_0) R_0
+    for the fixed Q_0 R_0 = X (deflated blocks have zero tangents)."""
     d = 3
     S, V = _spd(n=9)
     B = _problem("lanczos", n=9, b=3, seed=4)[1]
 
     def f(A, B, t):
         return (
-            block_funm_action(lambda x: jnp.log(x + t), _operator("callable", A), B, d),
+            krylovjax.funm_action(
+                lambda x: jnp.log(x + t),
+                _operator("callable", A),
+                B,
+                d,
+                method="lanczos",
+            ),
             block_trace_quadrature(
                 lambda x: jnp.log(x + t), _operator("bcoo", A), B, d
             ),
@@ -421,6 +427,134 @@ def test_trace_quadrature_exactness():
     np.testing.assert_allclose(one, single, rtol=1e-12)
 
 
+def test_arnoldi_action():
+    """`funm_action` of a block with method="arnoldi": f(H) E_0 R_0 for a matrix
+    function f. At d b = n the closed form (A + t I)^{-1} B for `inv` of H + t I,
+    an f that closes over t; finite differences in float64 in A, B and t, forward
+    and reverse; the gradient of <W, (A + t I)^{-1} B> in A, -M^{-T} W B^T M^{-T}
+    with M = A + t I. Then the deflating blocks: `inv` at the zero rows and columns
+    of a deflated column would be infinite, and a zero block gives zeros, all with
+    finite derivatives; the repeated column gives equal columns."""
+    d = 3
+    A, B = _problem("arnoldi", n=9, b=3, seed=5)
+    _, V = _spd(n=9)
+
+    def f(A, B, t):
+        def inv(H):
+            return jnp.linalg.inv(H + t * jnp.eye(H.shape[0], dtype=H.dtype))
+
+        return krylovjax.funm_action(inv, A, B, d, method="arnoldi")
+
+    derivatives = jax.jit(partial(value_vjp_jvp, f))
+    t = np.float64(2.0)
+    args = (jnp.asarray(A), jnp.asarray(B), jnp.asarray(t))
+    check_finite_differences(f, derivatives, args, eps=1e-6)
+
+    (W,) = _weights(9, [(9, 3)])
+    M_inv = np.linalg.inv(A + t * np.eye(9))
+    value, (g_A, g_B, g_t), _ = _numpy(
+        derivatives((A, B, t), (A, B, t), jnp.asarray(W))
+    )
+    np.testing.assert_allclose(value, M_inv @ B, atol=1e-12)
+    np.testing.assert_allclose(g_A, -M_inv.T @ W @ B.T @ M_inv.T, atol=1e-10)
+    np.testing.assert_allclose(g_B, M_inv.T @ W, atol=1e-10)
+    np.testing.assert_allclose(g_t, -np.sum(W * (M_inv @ M_inv @ B)), rtol=1e-10)
+
+    cases = _deflated_blocks(V, d) | {"all zero": (np.zeros((9, 3)), [])}
+    for case, (X, _) in cases.items():
+        out = _numpy(derivatives((A, X, 0.0 * t), (A, X, t), jnp.asarray(W)))
+        assert _all_finite(out), case
+        if case == "repeated":
+            np.testing.assert_allclose(out[0][:, 0], out[0][:, 1], atol=1e-12)
+        if case in ("zero", "all zero"):
+            np.testing.assert_array_equal(out[0][:, 1], 0)
+
+
+def test_block_chebyshev_action_is_per_column():
+    """A block with method="chebyshev" is the single-vector action of each column."""
+    S, _ = _spd(n=9)
+    B = _problem("lanczos", n=9, b=2, seed=4)[1]
+
+    @jax.jit
+    def run(S, B):
+        def one(b):
+            return krylovjax.funm_action(
+                jnp.exp, S, b, 6, method="chebyshev", interval=(0.4, 4.1)
+            )
+
+        return one(B), jnp.stack([one(B[:, 0]), one(B[:, 1])], axis=1)
+
+    block, columns = _numpy(run(S, B))
+    np.testing.assert_allclose(block, columns, rtol=1e-13, atol=1e-13)
+
+
+def test_trace_funm_block_size():
+    """`trace_funm(block_size=b)`: at b = 1 the single-vector estimate, value and
+    gradient; at d b = n each block's quadrature is exact, so the estimate is the
+    mean of z^T log(A) z over the probes and its gradient the Daleckii-Krein
+    gradient of log(A) with G = Z^T Z / m (`_log_gradient`); finite differences in
+    float64 of the estimate (at d b < n) and its standard error over the blocks.
+    One program."""
+    S, _ = _spd(n=8)
+    key = jax.random.key(3)
+
+    def estimate(S, d, b):
+        return krylovjax.trace_funm(
+            jnp.log, S, key, d, num_probes=8, block_size=b, return_info=True
+        )
+
+    @jax.jit
+    def run(S):
+        def value_and_grad(d, b):
+            return jax.value_and_grad(lambda S: estimate(S, d, b)[0])(S)
+
+        return (
+            value_and_grad(3, 1),
+            jax.value_and_grad(
+                lambda S: krylovjax.trace_funm(jnp.log, S, key, 3, num_probes=8)
+            )(S),
+            value_and_grad(2, 4),
+            estimate(S, 2, 4)[1].standard_error,
+        )
+
+    one, single, (exact, g_exact), error = _numpy(run(S))
+    np.testing.assert_allclose(one[0], single[0], rtol=1e-13)
+    np.testing.assert_allclose(one[1], single[1], rtol=1e-12, atol=1e-13)
+    Z = np.asarray(jax.random.rademacher(key, (8, 8), jnp.float64))
+    log_S = _numpy_funm(np.log, S)
+    terms = [np.trace(Z[i : i + 4] @ log_S @ Z[i : i + 4].T) / 4 for i in (0, 4)]
+    np.testing.assert_allclose(exact, np.mean(terms), rtol=1e-12)
+    np.testing.assert_allclose(error, np.std(terms, ddof=1) / np.sqrt(2), rtol=1e-10)
+    w = _log_gradient(S, Z.T @ Z / 8)
+    np.testing.assert_allclose((g_exact + g_exact.T) / 2, w, atol=1e-10)
+
+    def f(S):
+        return estimate(S, 1, 4)[0]
+
+    derivatives = jax.jit(partial(value_vjp_jvp, f))
+    check_finite_differences(f, derivatives, (jnp.asarray(S),), eps=1e-6)
+
+
+def test_trace_funm_block_size_errors():
+    S, key = np.eye(4), jax.random.key(0)
+    cases = [
+        ({"num_probes": 6, "block_size": 4}, r"must divide `num_probes` = 6"),
+        ({"num_probes": 4, "block_size": 4, "d": 2}, r"times `d` must be at most n"),
+        (
+            {"num_probes": 6, "block_size": 2, "estimator": "hutch++"},
+            r"is taken by `estimator='hutchinson'`",
+        ),
+        ({"num_probes": 4, "block_size": 2, "tol": 1e-3}, r"and `tol=\.\.\.`"),
+    ]
+    for options, match in cases:
+        options = {"d": 1} | options
+        d = options.pop("d")
+        with pytest.raises(ValueError, match=r"`trace_funm\(block_size=\.\.\.\)`"):
+            krylovjax.trace_funm(jnp.log, S, key, d, **options)
+        with pytest.raises(ValueError, match=match):
+            krylovjax.trace_funm(jnp.log, S, key, d, **options)
+
+
 # ------------------------------------------------------------------ errors
 
 
@@ -478,7 +612,21 @@ def test_errors(args, options, error, match, outside):
 def test_errors_arnoldi_and_quadrature():
     with pytest.raises(ValueError, match=r"`block_arnoldi\(X0=\.\.\.\)` must have"):
         unchecked(krylovjax.block_arnoldi)(np.eye(4), np.ones((2, 2, 2)), 1)
-    with pytest.raises(TypeError, match=r"`block_funm_action\(f=\.\.\.\)` must be a"):
-        unchecked(block_funm_action)(3.0, np.eye(4), np.ones((4, 1)), 1)
+    with pytest.raises(TypeError, match=r"`funm_action\(f=\.\.\.\)` must be a"):
+        unchecked(krylovjax.funm_action)(
+            3.0, np.eye(4), np.ones((4, 1)), 1, method="arnoldi"
+        )
+    with pytest.raises(ValueError, match=r"`funm_action\(b=\.\.\.\)` must be a vector"):
+        unchecked(krylovjax.funm_action)(
+            jnp.log, np.eye(4), np.ones((4, 1, 1)), 1, method="lanczos"
+        )
+    with pytest.raises(ValueError, match=r"`funm_action\(tol=\.\.\.\)` takes one"):
+        krylovjax.funm_action(
+            jnp.log, np.eye(4), np.ones((4, 2)), 1, method="lanczos", tol=1e-3
+        )
+    with pytest.raises(ValueError, match=r"`funm_action\(f=\.\.\.\)` must map the"):
+        krylovjax.funm_action(
+            lambda H: H[0], np.eye(4), np.ones((4, 2)), 2, method="arnoldi"
+        )
     with pytest.raises(ValueError, match=r"`block_trace_quadrature\(Z=\.\.\.\)`"):
         unchecked(block_trace_quadrature)(jnp.log, np.eye(4), np.ones(4), 1)

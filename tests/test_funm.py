@@ -897,8 +897,8 @@ def test_funm_action_errors():
         funm(jnp.exp, A_ERR, B_ERR, 4, method="lanczos")
     with pytest.raises(TypeError, match=r"`funm_action\(d=...\)` must be a Python int"):
         unchecked_funm(jnp.exp, A_ERR, B_ERR, 2.0, method="lanczos")
-    with pytest.raises(ValueError, match=r"`funm_action\(b=...\)` must be one vector"):
-        unchecked_funm(jnp.exp, A_ERR, jnp.ones((3, 2)), 2, method="lanczos")
+    with pytest.raises(ValueError, match=r"`funm_action\(b=...\)` must be a vector"):
+        unchecked_funm(jnp.exp, A_ERR, jnp.ones((3, 2, 1)), 2, method="lanczos")
     with pytest.raises(TypeError, match=r"`funm_action\(b=...\)` must have a floating"):
         unchecked_funm(jnp.exp, A_ERR, jnp.ones(3, int), 2, method="lanczos")
     with pytest.raises(ValueError, match=r"`funm_action\(A=...\)` must be a square"):
