@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import check_finite_differences, random_like, unchecked
+from helpers import check_finite_differences, random_like, unchecked, value_vjp_jvp
 
 import krylovjax
 
@@ -34,16 +34,6 @@ def log_det(A):
 
 def symmetrise(A):
     return (A + A.T) / 2
-
-
-def value_vjp_jvp(f, primals, tangents, cotangents):
-    """`(f(*primals), its VJP of cotangents, its JVP along tangents)` from one
-    linearisation (the VJP is its transpose), to be called inside a jitted program:
-    one copy of the forward pass and of the tangent map, where `jax.vjp` and
-    `jax.jvp` would compile two of each."""
-    out, linear = jax.linearize(f, *primals)
-    vjp = jax.linear_transpose(linear, *primals)(cotangents)
-    return out, vjp, linear(*tangents)
 
 
 # Few distinct eigenvalues: every Lanczos run and the block Krylov space of a
