@@ -201,7 +201,7 @@ def best(rows):
     )
 
 
-def big(cfg, dim, lengthscale, noise, d, choice, log):
+def big(cfg, dim, lengthscale, noise, d, choice, log, kinds=(False, True)):
     """The chosen budget and single-probe Hutchinson at n-big, dense and
     matrix-free: statistics over a few keys, and the time of one call."""
     n = cfg["n_big"]
@@ -211,7 +211,7 @@ def big(cfg, dim, lengthscale, noise, d, choice, log):
     m, b = choice["num_probes"], choice["num_sketch"]
     keys = jax.random.split(jax.random.key(3), cfg["big_seeds"])
     out = {"n": n, "exact": value}
-    for free in (False, True):
+    for free in kinds:
         kind = "matrix-free" if free else "dense"
         ka = estimator_fn(X, noise, d, m, "krylov-aware", b, free)
         # The matrix-free operator recomputes the kernel at every product: its
@@ -444,11 +444,16 @@ def big_only(cfg, args, log):
         "d": d,
         "choice": {"num_probes": m, "num_sketch": b},
         "machine": h.machine_info("jax", "jaxlib", "gpytorch", "matfree"),
-        "competitors": matfree_case(X, ell, noise, d, m, cfg["seeds"], value, grad),
     }
-    log(f"matfree: {report['competitors']}")
-    report["big"] = big(cfg, args.dim, ell, noise, d, report["choice"], log)
-    h.write_results(args.out, report, f"{report}\n", stem="big")
+    if not args.dense_only:
+        report["competitors"] = matfree_case(
+            X, ell, noise, d, m, cfg["seeds"], value, grad
+        )
+        log(f"matfree: {report['competitors']}")
+    kinds = (False,) if args.dense_only else (False, True)
+    report["big"] = big(cfg, args.dim, ell, noise, d, report["choice"], log, kinds)
+    stem = f"big_{m}_{b}" + ("_dense" if args.dense_only else "")
+    h.write_results(args.out, report, f"{report}\n", stem=stem)
     print(report)
 
 
@@ -468,6 +473,11 @@ def main():
         help="skip the statistics: run the n-big part with this Krylov-aware "
         "budget (the statistics' choice in docs/bases.md: 10 8) and matfree's "
         "estimators at the statistics size",
+    )
+    parser.add_argument(
+        "--dense-only",
+        action="store_true",
+        help="with --big-only: the dense operator only, and no competitors",
     )
     args = parser.parse_args()
     cfg = QUICK if args.quick else FULL
