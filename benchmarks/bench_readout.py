@@ -311,7 +311,7 @@ def main(argv=None):
     text = markdown(report)
     h.write_results(Path(args.out), report, text)
     if args.docs:
-        Path("docs/benchmarks/readout.md").write_text(text)
+        (h.REPO / "docs/benchmarks/readout.md").write_text(text)
     print(text)
     return report
 
