@@ -278,13 +278,15 @@ def funm_action(
     $f(A)\, b \approx Q f(S) E_0 R_0$ with $S$ the `(d k, d k)` block tridiagonal
     or block Hessenberg matrix and $b = Q_0 R_0$; `f` is the same kind of function
     as for a vector, called on the $d k$ eigenvalues or on the `(d k, d k)`
-    matrix. Each column gets the space of all of them: at equal products, more
-    accurate than $k$ single-vector runs of depth $d$, for an `eigh` (or `f`) of
-    size $d k$. Columns that deflate (a repeated, zero or invariant column) give
-    finite values and derivatives, and a zero block gives zeros. The block
-    methods are differentiated by JAX through their scan in both modes (`adjoint`
-    is for the single-vector rules), and take no `tol` (`jax.vmap` over the
-    columns does). `"chebyshev"` computes each column's action, batched.
+    matrix. Each column is approximated from the space of all of them, which
+    holds its own Krylov space of depth $d$: at equal products typically more
+    accurate than $k$ single-vector runs, for an `eigh` (or `f`) of size $d k$
+    (and, on a CPU, more time: see the docs' page on bases). Columns that
+    deflate (a repeated, zero or invariant column) give finite values and
+    derivatives, and a zero block gives zeros. The block methods are
+    differentiated by JAX through their scan in both modes (`adjoint` is for the
+    single-vector rules), and take no `tol` (`jax.vmap` over the columns does).
+    `"chebyshev"` computes each column's action, batched.
 
     **Breakdown.** When the Krylov space is invariant after $k < d$ vectors, the
     rest of the small matrix is invisible from $e_0$ (zero after the breakdown), yet

@@ -358,9 +358,7 @@ def trace_funm(
         )
         raise TypeError(msg)
     if block_size is not None:
-        block_size = _check_block_size(
-            block_size, num_probes, estimator, tol, d, fn_name
-        )
+        block_size = _check_block_size(block_size, num_probes, estimator, tol, fn_name)
     sketch = _sketch_size(estimator, num_sketch, num_probes, fn_name)
     _check_key(key, f"{fn_name}(key=...)")
     n, dtype = _probe_structure(A, like, fn_name)
@@ -735,7 +733,7 @@ def _weighted_trace_jvp(primals, tangents):
 
 
 def _check_block_size(
-    block_size: Any, m: int, estimator: str, tol: Any, d: int, fn_name: str
+    block_size: Any, m: int, estimator: str, tol: Any, fn_name: str
 ) -> int:
     arg = f"{fn_name}(block_size=...)"
     block_size = check_size(block_size, arg, what="the columns of a block of probes")
