@@ -25,6 +25,7 @@ Run `python benchmarks/bench_readout.py` (about two minutes on 2 cores) or
 """
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import _harness as h
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import krylovjax
+import krylovjax._readout as readout_module
 from krylovjax._readout import default_checkpoints
 from krylovjax.nn import StateSpaceConv
 
@@ -40,12 +42,14 @@ FULL = {
     "ssm": (64, 256, 16384),
     "checkpoints": [16, 64, None, 1024],
     "sizes": [(512, 200), (32, 5000)],
+    "chunks": ((32, 5000), [64, 256, 512, 1024]),
     "timing": {"target_s": 1.0, "min_rounds": 5, "max_rounds": 50},
 }
 QUICK = {
     "ssm": (8, 4, 64),
     "checkpoints": [2, None],
     "sizes": [(16, 20)],
+    "chunks": ((16, 20), [4, 16]),
     "timing": {"target_s": 0.02, "min_rounds": 3, "max_rounds": 5},
 }
 READOUTS = 8
@@ -196,6 +200,58 @@ def run_size(n, d, timing):
     return out
 
 
+@contextlib.contextmanager
+def reverse_settings(chunk, n, stacked):
+    """Trace with reverse chunks of `chunk` steps for vectors of `n` numbers, and
+    with the readout read from the stored vectors at once (`stacked`, the default)
+    or piece by piece in the forward loop: the two defaults this part measures,
+    set on `krylovjax._readout` for the trace only."""
+    saved = readout_module.CHUNK_NUMBERS, readout_module.Rows.reads_stack
+    readout_module.CHUNK_NUMBERS = chunk * n
+    if not stacked:
+        readout_module.Rows.reads_stack = lambda self, xs: False
+    try:
+        yield
+    finally:
+        readout_module.CHUNK_NUMBERS, readout_module.Rows.reads_stack = saved
+
+
+def run_chunks(n, d, chunks, timing):
+    """`krylov_readout`'s gradient at (n, d) (the loss of the sizes part) with the
+    reverse pass's chunks of each size in `chunks`, with and without the stacked
+    readout, side by side with the forward pass."""
+    args = size_problem(n, d)
+
+    def forward(A, x0, C, theta):
+        del theta
+        return krylovjax.krylov_readout(A, x0, d, C)
+
+    compiled = {"forward": h.compile_timed(forward, args)[0]}
+    for stacked in (False, True):
+        for chunk in chunks:
+            key = f"{'stacked' if stacked else 'per step'}, chunks of {chunk}"
+            with reverse_settings(chunk, n, stacked):
+                # A fresh function per trace, so that no traced program is reused.
+                def loss(A, x0, C, theta):
+                    return jnp.sum(jnp.sin(forward(A, x0, C, theta)))
+
+                grad = jax.grad(loss, argnums=(0, 1, 2))
+                compiled[key] = h.compile_timed(grad, args)[0]
+    names = list(compiled)
+    times = h.time_interleaved([h.ready(compiled[k], args) for k in names], **timing)
+    median = {k: t["median_s"] for k, t in zip(names, times, strict=True)}
+    return {
+        "n": n,
+        "d": d,
+        "median_s": median,
+        "grad_over_forward": {
+            k: h.ratio(v, median["forward"])
+            for k, v in median.items()
+            if k != "forward"
+        },
+    }
+
+
 def mib(n_bytes):
     return h.fmt(n_bytes / 2**20, ".3g")
 
@@ -279,6 +335,25 @@ def markdown(report):
         rows,
         "llrrrrrrrr",
     )
+    c = report["chunks"]
+    lines += [
+        "",
+        "",
+        f"The reverse pass's settings at ({c['n']}, {c['d']}), `krylov_readout`'s "
+        "gradient as above, side by side with its forward pass "
+        f"({h.ms(c['median_s']['forward'])} ms): chunks of steps whose pairings "
+        "are one GEMM, and the output read from the stored vectors by one GEMM "
+        "after the forward loop (stacked) or a product per step (per step).",
+        "",
+        *h.table(
+            "setting | grad (ms) | grad / forward",
+            [
+                (k, h.ms(c["median_s"][k]), h.fmt(v))
+                for k, v in c["grad_over_forward"].items()
+            ],
+            "lrr",
+        ),
+    ]
     lines += [
         "",
         "",
@@ -307,7 +382,15 @@ def main(argv=None):
     for n, d in config["sizes"]:
         log(f"size ({n}, {d})")
         sizes.append(run_size(n, d, config["timing"]))
-    report = {"machine": h.machine_info(), "ssm": ssm, "sizes": sizes}
+    (n, d), chunks = config["chunks"]
+    log(f"reverse chunks at ({n}, {d})")
+    chunked = run_chunks(n, d, chunks, config["timing"])
+    report = {
+        "machine": h.machine_info(),
+        "ssm": ssm,
+        "sizes": sizes,
+        "chunks": chunked,
+    }
     text = markdown(report)
     h.write_results(Path(args.out), report, text)
     if args.docs:

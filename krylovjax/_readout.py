@@ -69,10 +69,16 @@ from ._checks import (
     is_numpy_array,
     standard_result_type,
 )
-from ._chunks import add_param_vjp, chunk_steps, gradient_chunk
+from ._chunks import (
+    CHUNK,
+    DenseRowsOperator,
+    add_param_vjp,
+    chunk_steps,
+    gradient_chunk,
+)
 from ._krylov import check_problem
 from ._linearity import check_linear
-from ._operator import AbstractOperator, closure_convert
+from ._operator import AbstractOperator, DenseOperator, closure_convert
 from ._rules import tangent_or_none
 from ._scan import (
     Coefficients,
@@ -101,6 +107,28 @@ from ._typing import OperatorLike, StaticInt
 # 1.4-2.3x faster, while for the SSM kernel's (64, 256) blocks (a rank-256
 # update per step is a GEMM already) a chunk at a time was 1.3x slower.
 SMALL_VECTOR = 4096
+
+
+# For a dense matrix the reverse pass takes chunks of at least this many numbers
+# of adjoint vectors (more steps than the scan's `_chunks.CHUNK` for vectors under
+# 512 numbers): for vectors so small a step costs what its operations' overheads
+# do, and a chunk's own operations are spread over more steps. At (n, d) =
+# (32, 5000) chunks of 512 or 1024 steps made the gradient about 10% faster than
+# chunks of 64 (`benchmarks/bench_readout.py --chunks`).
+CHUNK_NUMBERS = 2**14
+
+
+def _reverse_chunk_steps(operator: AbstractOperator, x0: Array) -> int:
+    """Steps per chunk of the reverse pass over stored vectors like `x0`: the
+    scan's policy (`_chunks.gradient_chunk`), at least `CHUNK_NUMBERS` numbers for
+    a dense matrix; 1 (a step at a time) above `SMALL_VECTOR` numbers."""
+    if x0.size > SMALL_VECTOR:
+        return 1
+    most = gradient_chunk(operator, x0.size)
+    dense = isinstance(operator, (DenseOperator, DenseRowsOperator))
+    if dense and x0.size * CHUNK < CHUNK_NUMBERS:
+        most = CHUNK_NUMBERS // x0.size
+    return chunk_steps(x0, most)
 
 
 def _zero_piece(readout: "_Readout", params, x0: Array) -> Array:
@@ -150,6 +178,17 @@ class _Readout(eqx.Module):
     def empty(self, x0: Array, d: int) -> Array:
         raise NotImplementedError
 
+    def reads_stack(self, xs: Array) -> bool:
+        """Whether `from_stack` can read the `d` vectors stacked in `xs` (else the
+        pieces are put in one at a time)."""
+        del xs
+        return False
+
+    def from_stack(self, xs: Array, out: Array) -> Array:
+        """The output from all `d` vectors stacked in `xs`, by one batched product
+        that reads `xs` in place."""
+        raise NotImplementedError
+
 
 class Rows(_Readout):
     r"""$y_k = C x_k$ as row $k$ of an output `(d, *C(x).shape)`. `C` is a
@@ -187,6 +226,14 @@ class Rows(_Readout):
         zero = _zero_piece(self, self.C, x0)
         return jnp.broadcast_to(zero[None], (d, *zero.shape))
 
+    def reads_stack(self, xs):
+        # A dense C and vectors: one GEMM contracting the stack's last axis. (For
+        # blocks the product would contract a middle axis: a copy of the stack.)
+        return isinstance(self.C, jax.Array) and xs.ndim == 2
+
+    def from_stack(self, xs, out):
+        return jax.vmap(lambda x: self.piece(self.C, x))(xs).astype(out.dtype)
+
 
 class Sum(_Readout):
     r"""$y = \sum_k \theta_k x_k$ for scalar `coeffs[k]`, or
@@ -220,6 +267,15 @@ class Sum(_Readout):
     def empty(self, x0, d):
         del d
         return _zero_piece(self, self.params(0), x0)
+
+    def reads_stack(self, xs):
+        # Scalar coefficients: one product contracting the stack's first axis.
+        del xs
+        return self.coeffs.ndim == 1
+
+    def from_stack(self, xs, out):
+        total = jnp.tensordot(self.coeffs, xs.astype(self.coeffs.dtype), axes=1)
+        return out + total.astype(out.dtype)
 
 
 # -------------------------------------------------------------- forward pass
@@ -370,9 +426,23 @@ def readout_forward(
 
 
 def _forward_storing(operator, readout, padded, state, out, plan, keep):
-    """`readout_forward` for `every == 1`: every vector stored (with `keep`)."""
+    """`readout_forward` for `every == 1`: every vector stored (with `keep`).
+    With `keep`, a readout that can read the whole stack at once
+    (`_Readout.from_stack`) does so after the loop, which then only advances
+    and stores: for small vectors, where a step costs what its operations'
+    overheads do, that takes a matrix-vector product out of every step."""
     x0 = _current(state)
     xs = _stack_like(x0, plan.d) if keep else None
+    if keep and readout.reads_stack(xs):
+
+        def advance(carry, k):
+            state, xs = carry
+            xs = lax.dynamic_update_index_in_dim(xs, _current(state), k, 0)
+            return (_advance(operator, state, padded, k), xs), None
+
+        (state, xs), _ = lax.scan(advance, (state, xs), jnp.arange(plan.d - 1))
+        xs = lax.dynamic_update_index_in_dim(xs, _current(state), plan.d - 1, 0)
+        return readout.from_stack(xs, out), xs
 
     def body(carry, k):
         state, out, xs = carry
@@ -621,11 +691,7 @@ def readout_adjoint(
         ct,
         want_operator,
         want_readout,
-        chunk=(
-            chunk_steps(x0, gradient_chunk(operator, x0.size))
-            if x0.size <= SMALL_VECTOR and plan.buffered
-            else 1
-        ),
+        chunk=_reverse_chunk_steps(operator, x0) if plan.buffered else 1,
     )
     zeros = jnp.zeros_like(x0)
     carry = zeros if padded is None else (zeros, zeros)
