@@ -111,10 +111,10 @@ SMALL_VECTOR = 4096
 
 # For a dense matrix the reverse pass takes chunks of at least this many numbers
 # of adjoint vectors (more steps than the scan's `_chunks.CHUNK` for vectors under
-# 512 numbers): for vectors so small a step costs what its operations' overheads
+# 256 numbers): for vectors so small a step costs what its operations' overheads
 # do, and a chunk's own operations are spread over more steps. At (n, d) =
-# (32, 5000) chunks of 512 or 1024 steps made the gradient about 10% faster than
-# chunks of 64 (`benchmarks/bench_readout.py --chunks`).
+# (32, 5000) chunks of 256 to 1024 steps made the gradient 5-10% faster than
+# chunks of 64 (the reverse-settings table of `benchmarks/bench_readout.py`).
 CHUNK_NUMBERS = 2**14
 
 
