@@ -86,6 +86,7 @@ from ._orthogonal import (
     next_vector,
     working_dtype,
 )
+from ._sharding import gathered
 from ._typing import OperatorLike, StaticInt
 
 # The derivative rules the block methods offer, by their `adjoint=` names.
@@ -361,6 +362,9 @@ def check_block_problem(
     check_choice(adjoint, BLOCK_ADJOINTS, f"{fn_name}(adjoint=...)")
     d = check_depth(d, fn_name)
     X0 = as_array(X0, f"{fn_name}({block}=...)")
+    if X0.ndim == 2:
+        # Every step mixes the columns: a block split along them is gathered.
+        X0 = gathered(X0, 1)
     if X0.ndim != 2:
         msg = f"`{fn_name}({block}=...)` must have shape (n, b); got shape {X0.shape}."
         raise ValueError(msg)
@@ -550,7 +554,7 @@ def block_action(
         Q, T, C, dtype = _quadrature_setup(f, A, B, d, reorthogonalize, fn_name, "b")
         fn = _scalar_function(
             f,
-            jnp.zeros((T.shape[0],), jnp.finfo(T.dtype).dtype),
+            _eigenvalues_like(T),
             f"{fn_name}(f=...)",
             _MATRIX_FUNCTION_HINT,
         )
@@ -625,7 +629,7 @@ def block_trace_quadrature(
     _, T, C, dtype = _quadrature_setup(
         f, A, Z, d, reorthogonalize, "block_trace_quadrature", "Z"
     )
-    fn = _scalar_function(f, jnp.zeros((T.shape[0],), jnp.finfo(T.dtype).dtype), "f")
+    fn = _scalar_function(f, _eigenvalues_like(T), "f")
     return _quadrature_value(fn, T, C, dtype)
 
 
@@ -649,10 +653,14 @@ def block_trace_terms(
 
     Ts, Cs = jax.vmap(setup)(Z)
     dtype = Z.dtype
-    fn = _scalar_function(
-        f, jnp.zeros((Ts.shape[1],), jnp.finfo(Ts.dtype).dtype), f"{fn_name}(f=...)"
-    )
+    fn = _scalar_function(f, _eigenvalues_like(Ts[0]), f"{fn_name}(f=...)")
     return lax.map(lambda TC: _quadrature_value(fn, TC[0], TC[1], dtype), (Ts, Cs))
+
+
+def _eigenvalues_like(T: Array) -> Array:
+    """Zeros typed like the eigenvalues of the Hermitian `T` (real, and on a mesh
+    sharded as `eigh` makes them): the example that `f` is closure-converted on."""
+    return jnp.zeros_like(jnp.diagonal(T).real)
 
 
 def _quadrature_value(fn: Callable, T: Array, C: Array, dtype: Any) -> Array:

@@ -29,7 +29,7 @@ prints the cells, `--function` and `--only` select some.)
 - `function`: `krylov`, `chebyshev` (`krylov` with
   `basis=krylovjax.Chebyshev(-3, 3)`), `readout` (`krylov_readout` and
   `polynomial_action`), `iterate`, `arnoldi`, `lanczos`,
-  `funm_action`, `trace_funm`, and the layers `nn.KrylovGraphConv`,
+  `funm_action`, `trace_funm`, `block_funm`, and the layers `nn.KrylovGraphConv`,
   `nn.LinearDynamics` and `nn.StateSpaceConv` (`graph_conv`, `linear_dynamics`,
   `state_space`);
 
@@ -54,6 +54,12 @@ equivalent:
   shape split by rows (the probes take its dtype only), and `"block"` estimates
   `b` traces at once, `jax.vmap` over `b` keys split over the devices. No
   derivative with respect to `x0`;
+- `block_funm`: `funm_action` of a block `x0` of shape `(n, b)` as one problem
+  (block Lanczos with `jnp.exp`, block Arnoldi with the polynomial), at depth
+  `n / b` where its block Krylov space fills everything, or
+  (`method="trace"`) `trace_funm(jnp.exp, ..., num_probes=b, block_size=b / 2)`,
+  which reads no `x0`. Its `x0` is always a block: `"replicated"` (`P()`),
+  `"rows"` (`P("x", None)`) or `"block"` (split along `b`);
 - `graph_conv`: `A` is the adjacency (dense or BCOO; the layer takes no
   callable) and `x0` the node features `X` of shape `(n, f)`, replicated, by rows
   (`P("x", None)`) or by feature columns (`P(None, "x")`); the layer's weights
@@ -188,6 +194,11 @@ FUNCTIONS: dict[str, dict] = {
     ),
     "trace_funm": dict(
         operators=OPERATORS, options=dict(adjoint=DECOMPOSITION_ADJOINTS)
+    ),
+    # `funm_action` of a block `x0` (block Lanczos or Arnoldi, one basis for the
+    # `B` columns), and `trace_funm(block_size=2)`.
+    "block_funm": dict(
+        operators=OPERATORS, options=dict(method=("lanczos", "arnoldi", "trace"))
     ),
 }
 
@@ -420,6 +431,13 @@ TARGETED = (
             ("explicit", "module", "doubling/custom_vjp"),
         )
     ),
+    # A block on an explicit mesh, called outside `jax.set_mesh`: the example
+    # eigenvalues that `f` is closure-converted on once lacked the mesh in their
+    # type.
+    *(
+        _cell("block_funm", "explicit", "dense", "replicated", "replicated", options=o)
+        for o in ({"method": "lanczos"}, {"method": "trace"})
+    ),
 )
 
 
@@ -635,6 +653,19 @@ class Problem:
 
             x0 = a["x0"]
             return jax.vmap(one, in_axes=1)(x0) if x0.ndim == 2 else one(x0)
+        if f == "block_funm":
+            # Depth 2: the block Krylov space of B columns fills all N = 2 B.
+            A, depth = self.operator_of(a), self.n // B
+            if options["method"] == "trace":
+                key = jax.random.key(0)
+                like = jax.ShapeDtypeStruct((self.n,), jnp.float64)
+                return krylovjax.trace_funm(
+                    jnp.exp, A, key, depth, num_probes=B, block_size=B // 2, like=like
+                )
+            fn = jnp.exp if options["method"] == "lanczos" else _polynomial
+            return krylovjax.funm_action(
+                fn, A, a["x0"], depth, method=options["method"]
+            )
         if f == "trace_funm":
             A = self.operator_of(a)
             like = a.get("like", jax.ShapeDtypeStruct((self.n,), jnp.float64))
@@ -676,7 +707,7 @@ def problem(function, operator, x_kind, size=(N, D)) -> Problem:
 def _x_kind(cell):
     """What the problem's arrays depend on in the `x0` layout: their shapes."""
     block = cell["x0"] in ("block", "block_rows")
-    if cell["function"] in ("graph_conv", "state_space") or block:
+    if cell["function"] in ("graph_conv", "state_space", "block_funm") or block:
         return "block"
     if cell["function"] == "trace_funm" and cell["x0"] == "rows":
         return "like"
@@ -776,6 +807,8 @@ def _reference_options(function, options):
         return (("basis", options["basis"]),)
     if function == "funm_action":
         return (("method", options["method"]), ("tol", options["tol"]))
+    if function == "block_funm":
+        return (("method", options["method"]),)
     return ()
 
 
@@ -1092,7 +1125,15 @@ def _decomposition_specs(record) -> list:
 # The two halves of the grid, by function, so that two processes can run them at
 # once and neither computes the other's references.
 SHARDS = (
-    ("krylov", "iterate", "linear_dynamics", "graph_conv", "state_space", "trace_funm"),
+    (
+        "krylov",
+        "iterate",
+        "linear_dynamics",
+        "graph_conv",
+        "state_space",
+        "trace_funm",
+        "block_funm",
+    ),
     ("arnoldi", "lanczos", "funm_action", "chebyshev", "readout"),
 )
 
