@@ -33,7 +33,10 @@ ones. The reverse pass takes the segments from the last to the first:
 
 Storing every vector ($s = 1$) recomputes nothing; it is the default while the
 $d$ vectors take at most `STORE_ALL_BYTES` (where memory is no concern and time
-is). Above, the default keeps as many vectors as those bytes hold, between
+is). Then a readout that one batched product can read (a dense `C` of vectors,
+scalar coefficients) reads the stored vectors once after the loop
+(`_Readout.from_stack`), and for tiny vectors the reverse chunks are longer
+(`CHUNK_NUMBERS`). Above, the default keeps as many vectors as those bytes hold, between
 `FEWEST` and $2\lceil\sqrt d\,\rceil - 1$ (`default_checkpoints`): about one
 extra forward pass for $O(\sqrt d)$ vectors, or a few more for vectors so large
 that only a couple can be kept.
