@@ -235,7 +235,7 @@ class Rows(_Readout):
         return isinstance(self.C, jax.Array) and xs.ndim == 2
 
     def from_stack(self, xs, out):
-        return jax.vmap(lambda x: self.piece(self.C, x))(xs).astype(out.dtype)
+        return jnp.asarray(jax.vmap(lambda x: self.piece(self.C, x))(xs), out.dtype)
 
 
 class Sum(_Readout):
