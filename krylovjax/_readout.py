@@ -130,7 +130,7 @@ def _reverse_chunk_steps(operator: AbstractOperator, x0: Array) -> int:
     most = gradient_chunk(operator, x0.size)
     dense = isinstance(operator, (DenseOperator, DenseRowsOperator))
     if dense and x0.size * CHUNK < CHUNK_NUMBERS:
-        most = CHUNK_NUMBERS // x0.size
+        most = CHUNK_NUMBERS // max(1, x0.size)
     return chunk_steps(x0, most)
 
 
