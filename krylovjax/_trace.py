@@ -559,12 +559,12 @@ def _hutch_plus_plus(
     sketch = jr.normal(key_sketch, (k, n), dtype)
     actions, sketched = run.actions(sketch)
     Q = _orthonormal_rows(actions, jnp.zeros((0, n), dtype))
-    heads, head_products, head_errors = run.quadratures(Q)
     remainder = _remainder_probes(key_rest, sampler, m - 2 * k, Q)
-    terms, products, errors = run.quadratures(remainder)
-    spent = jnp.sum(sketched) + jnp.sum(head_products) + jnp.sum(products)
-    error = jnp.sum(head_errors) + jnp.mean(errors)
-    return jnp.sum(heads), terms, _rank(Q), spent, error
+    # The basis's quadratures and the remainder's in one batch of runs.
+    terms, products, errors = run.quadratures(jnp.concatenate([Q, remainder]))
+    spent = jnp.sum(sketched) + jnp.sum(products)
+    error = jnp.sum(errors[:k]) + jnp.mean(errors[k:])
+    return jnp.sum(terms[:k]), terms[k:], _rank(Q), spent, error
 
 
 # The share of the block Krylov space that is deflated: its first ceil(d / 2)
