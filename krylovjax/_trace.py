@@ -609,7 +609,9 @@ def _block_krylov(
     `(d b, n)` rows (zero rows for what was dropped), and $A$ times each row."""
     b, n = omega.shape
     first = _orthonormal_rows(omega, jnp.zeros((0, n), omega.dtype))
-    buffer = jnp.zeros(((d + 1) * b, n), omega.dtype).at[:b].set(first)
+    # Padded from `first`, so that the buffer has its layout (under `vmap` over
+    # keys split over devices, a scatter into fresh zeros has no unambiguous one).
+    buffer = jnp.pad(first, ((0, d * b), (0, 0)))
 
     def step(carry, k):
         buffer, block = carry
