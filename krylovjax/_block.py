@@ -175,12 +175,8 @@ class BlockArnoldi(eqx.Module):
 
 
 def _block_tridiagonal(diagonal: Array, off: Array) -> Array:
-    d, b, _ = diagonal.shape
-    blocks = jnp.zeros((d, b, d, b), diagonal.dtype)
-    ks = np.arange(d)
-    blocks = blocks.at[ks, :, ks, :].set(diagonal).reshape(d * b, d * b)
     lower = _subdiagonal(off)
-    return blocks + lower + conj(lower).T
+    return _on_block_diagonal(diagonal, 0) + lower + conj(lower).T
 
 
 def block_lanczos(
@@ -438,7 +434,7 @@ def _lanczos_forward(operator, X0, d, reorth, stop=None):
     passes = 2 if reorth else 1
     X = X0.T
     Q0, R0 = _columns(X, X, passes)
-    Q = jnp.zeros((d * b, n), X.dtype).at[:b].set(Q0)
+    Q = jnp.pad(Q0, ((0, (d - 1) * b), (0, 0)))
 
     def step(carry, k):
         Q, B_prev, Q_prev = carry
@@ -469,7 +465,7 @@ def _arnoldi_forward(operator, X0, d, reorth, stop=None):
     passes = 2 if reorth else 1
     X = X0.T
     Q0, R0 = _columns(X, X, passes)
-    Q = jnp.zeros((d * b, n), X.dtype).at[:b].set(Q0)
+    Q = jnp.pad(Q0, ((0, (d - 1) * b), (0, 0)))
 
     def step(Q, k):
         U = operator.mm(lax.dynamic_slice_in_dim(Q, k * b, b))
@@ -493,12 +489,21 @@ def _arnoldi_forward(operator, X0, d, reorth, stop=None):
 def _subdiagonal(B: Array) -> Array:
     """The `(d b, d b)` matrix with the `(d - 1, b, b)` blocks `B` on its first
     block subdiagonal, zero elsewhere."""
-    e, b, _ = B.shape
-    d = e + 1
-    blocks = jnp.zeros((d, b, d, b), B.dtype)
-    ks = np.arange(e)
-    blocks = blocks.at[ks + 1, :, ks, :].set(B)
-    return blocks.reshape(d * b, d * b)
+    return _on_block_diagonal(jnp.pad(B, ((0, 1), (0, 0), (0, 0))), 1)
+
+
+def _on_block_diagonal(blocks: Array, offset: int) -> Array:
+    """The `(d b, d b)` matrix with block `k` of the `(d, b, b)` `blocks` in block
+    column `k`, `offset` blocks below the diagonal (those that fit), zero elsewhere.
+    A `where`, not a scatter into zeros, which has no unambiguous sharding under a
+    `vmap` over an axis split over an explicit mesh."""
+    d, b, _ = blocks.shape
+    rows, columns = np.arange(d)[:, None], np.arange(d)[None, :]
+    mask = (rows == columns + offset)[:, None, :, None]
+    # Entry [k, i, l, j] is blocks[l, i, j] where k = l + offset.
+    out = jnp.where(mask, jnp.moveaxis(blocks, 0, 1)[None], 0)
+    # One merge of axes at a time: on an explicit mesh JAX types no other reshape.
+    return out.reshape(d * b, d, b).reshape(d * b, d * b)
 
 
 # -------------------------------------------------------------- the quadrature
@@ -584,7 +589,7 @@ def block_action(
             rounded=False,
         )
         Q, dtype = Q_rows.T, B.dtype
-        C = jnp.zeros((m, R0.shape[0]), R0.dtype).at[: R0.shape[0]].set(R0)
+        C = jnp.pad(R0, ((0, m - R0.shape[0]), (0, 0)))
         Y = f(_seen(f, H, lax.stop_gradient(jnp.any(Q_rows != 0, axis=1)))) @ C
     out = Q.astype(Y.dtype) @ Y if jnp.iscomplexobj(Y) else Q @ Y.astype(Q.dtype)
     return out.astype(_result_dtype(dtype, Y.dtype))
@@ -694,7 +699,7 @@ def _quadrature_setup(f, A, B, d, reorthogonalize, fn_name, block):
     )
     T = _block_tridiagonal(diagonal, off)
     T = jnp.where(jnp.any(R0 != 0), T, jnp.eye(T.shape[0], dtype=T.dtype))
-    C = jnp.zeros((T.shape[0], R0.shape[0]), R0.dtype).at[: R0.shape[0]].set(R0)
+    C = jnp.pad(R0, ((0, T.shape[0] - R0.shape[0]), (0, 0)))
     return Q.T, T, C, B.dtype
 
 

@@ -144,7 +144,8 @@ def on_common_mesh(mesh: Any, tree: Any) -> Any:
     stack and the reverse pass's buffers would not match, and a contraction over a
     sharded axis cannot state its result's sharding on a matrix without a mesh.
     Replicated on the mesh of the others, it is what `device_put(x, P())` makes;
-    its gradient comes back as it came in.
+    its cotangent is typed on that mesh, replicated, as that of an array on no
+    mesh multiplied by a placed one in JAX itself.
     """
     if mesh is None:
         return tree
@@ -152,7 +153,17 @@ def on_common_mesh(mesh: Any, tree: Any) -> Any:
     def place(x):
         if not _unplaced(x):
             return x
-        return jax.sharding.reshard(jnp.asarray(x), NamedSharding(mesh, P()))
+        x = jnp.asarray(x)
+        replicated = NamedSharding(mesh, P())
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return jax.sharding.reshard(x, replicated)
+        # Not `reshard` for what may be differentiated: its transpose (like that of
+        # an addition) reshards the cotangent back onto no mesh, which fails under
+        # a `vmap` whose batch axis is split over the mesh (per-key gradients with
+        # keys split over devices). A product with ones on the mesh places `x`
+        # exactly, its cotangent stays typed on the mesh, as that of JAX's own
+        # products with a placed operand does, and XLA removes it.
+        return x * jnp.ones(x.shape, x.dtype, out_sharding=replicated)
 
     return jtu.tree_map(place, tree)
 

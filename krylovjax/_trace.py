@@ -71,7 +71,7 @@ from ._funm import (
 from ._lanczos import lanczos_in_working_dtype, lanczos_with_stop
 from ._operator import AbstractOperator
 from ._orthogonal import Adjoint, check_problem, last_step
-from ._sharding import auto_types, explicit_mesh
+from ._sharding import auto_types, explicit_mesh, on_common_mesh
 from ._typing import OperatorLike, StaticInt
 
 SAMPLERS = ("rademacher", "normal", "sphere")
@@ -377,8 +377,10 @@ def trace_funm(
         )
         raise TypeError(msg)
     # A callable's output is compared with `like`, which gives the probes' shape (it
-    # is required for a callable).
-    probe = jnp.zeros((n,), dtype)
+    # is required for a callable). On the key's mesh, as the probes will be: under a
+    # `vmap` over keys split over an explicit mesh, `A` is placed there too, and so
+    # are the carries of its derivatives in the block Krylov scan.
+    probe = on_common_mesh(explicit_mesh(key), jnp.zeros((n,), dtype))
     operator, _, _ = check_problem(
         A, probe, d, reorthogonalize, adjoint, fn_name, "like", "the size of the probes"
     )

@@ -52,9 +52,12 @@ equivalent:
 - `trace_funm` draws its probes from a key: `x0` is the probes' layout, and the
   probes are drawn replicated; `"rows"` passes `like=` an array of one probe's
   shape split by rows (the probes take its dtype only), and `"block"` estimates
-  `b` traces at once, `jax.vmap` over `b` keys split over the devices. No
-  derivative with respect to `x0`. Each estimator runs with the fewest probes it
-  takes (`ESTIMATOR_OPTIONS`), and is compared with itself on one device;
+  `b` traces at once, `jax.vmap` over `b` keys split over the devices, and
+  then, where `A` is replicated, also the gradient for each key
+  (`"grad_per_key"`, a `vmap` of `jax.grad`). No derivative with respect to
+  `x0`. Each estimator (and Hutchinson's with its probes in one block) runs with
+  the fewest probes it takes (`ESTIMATOR_OPTIONS`), and is compared with itself
+  on one device;
 - `block_funm`: `funm_action` of a block `x0` of shape `(n, b)` as one problem
   (block Lanczos with `jnp.exp`, block Arnoldi with the polynomial), at depth
   `n / b` where its block Krylov space fills everything, or
@@ -157,11 +160,13 @@ KRYLOV_METHODS = (
 DECOMPOSITION_ADJOINTS = ("custom_jvp", "autodiff")
 # `trace_funm`'s estimators, each with the fewest probes it takes: Hutch++ a sketch
 # of one vector, its basis and one remainder probe; Krylov-aware a sketch of one
-# vector and one remainder probe.
+# vector and one remainder probe; Hutchinson also with its probes in one block
+# (block Lanczos).
 ESTIMATOR_OPTIONS = {
     "hutchinson": dict(num_probes=1),
-    "hutch++": dict(num_probes=3, num_sketch=1),
-    "krylov-aware": dict(num_probes=2, num_sketch=1),
+    "hutchinson/block": dict(num_probes=2, block_size=2),
+    "hutch++": dict(estimator="hutch++", num_probes=3, num_sketch=1),
+    "krylov-aware": dict(estimator="krylov-aware", num_probes=2, num_sketch=1),
 }
 ESTIMATORS = tuple(ESTIMATOR_OPTIONS)
 FUNCTIONS: dict[str, dict] = {
@@ -449,16 +454,22 @@ TARGETED = (
         _cell("block_funm", "explicit", "dense", "replicated", "replicated", options=o)
         for o in ({"method": "lanczos"}, {"method": "trace"})
     ),
-    # The Krylov-aware estimate of keys split over an explicit mesh (`vmap`): its
-    # block Krylov basis was once a scatter into fresh zeros, whose layout JAX
-    # could not resolve.
-    _cell(
-        "trace_funm",
-        "explicit",
-        "dense",
-        "replicated",
-        "block",
-        options={"estimator": "krylov-aware"},
+    # Every estimate of keys split over an explicit mesh (`vmap`), with the
+    # gradient for each key, the matrix placed on no mesh: a scatter into fresh
+    # zeros (the Krylov-aware block Krylov basis, block Lanczos's tridiagonal
+    # matrix) had no layout JAX could resolve, and the cotangent of a matrix
+    # placed on no mesh was resharded back onto none under the `vmap`.
+    *(
+        _cell(
+            "trace_funm",
+            "explicit",
+            "dense",
+            "replicated",
+            "block",
+            options={"estimator": estimator},
+            unplaced="A",
+        )
+        for estimator in ESTIMATORS
     ),
 )
 
@@ -692,8 +703,6 @@ class Problem:
             A = self.operator_of(a)
             like = a.get("like", jax.ShapeDtypeStruct((self.n,), jnp.float64))
 
-            estimator = options["estimator"]
-
             def estimate(key):
                 return krylovjax.trace_funm(
                     jnp.exp,
@@ -702,8 +711,7 @@ class Problem:
                     d,
                     like=like,
                     adjoint=options["adjoint"],
-                    estimator=estimator,
-                    **ESTIMATOR_OPTIONS[estimator],
+                    **ESTIMATOR_OPTIONS[options["estimator"]],
                 )
 
             if "keys" in a:
@@ -778,11 +786,20 @@ def _loss(out):
 
 
 def _program(prob, options, modes):
-    """The jitted program computing `modes` ("value", "grad", "jvp") at once."""
+    """The jitted program computing `modes` ("value", "grad", "jvp", and for a
+    `vmap` over keys "grad_per_key", the gradient for each key) at once."""
 
     def run(diff, rest, tangent):
         def f(diff):
             return prob.apply({**diff, **rest}, options)
+
+        def per_key(key):
+            one = {k: v for k, v in rest.items() if k != "keys"}
+
+            def loss(diff):
+                return _loss(prob.apply({**diff, **one, "key": key}, options))
+
+            return jax.grad(loss)(diff)
 
         out = {}
         if "value" in modes:
@@ -791,6 +808,8 @@ def _program(prob, options, modes):
             out["grad"] = jax.grad(lambda diff: _loss(f(diff)))(diff)
         if "jvp" in modes:
             out["jvp"] = jax.jvp(f, (diff,), (tangent,))[1]
+        if "grad_per_key" in modes:
+            out["grad_per_key"] = jax.vmap(per_key)(rest["keys"])
         return out
 
     return jax.jit(run)
@@ -800,6 +819,12 @@ def _modes(cell):
     options = cell["options"].values()
     if any(isinstance(v, str) and "custom_vjp" in v for v in options):
         return ("value", "grad")  # reverse mode only
+    if cell["function"] == "trace_funm" and _x_kind(cell) == "block":
+        # Keys split over the devices: also a `vmap` of the gradient for each key,
+        # unless `A` is split too (along the axis of the keys: a type that JAX does
+        # not have, which `vmap` refuses for any function).
+        if cell["A"] == "replicated":
+            return ("value", "grad", "jvp", "grad_per_key")
     return ("value", "grad", "jvp")
 
 
@@ -892,7 +917,10 @@ def reference(function, operator, x_kind, size, math) -> dict:
     def stacked(mode):
         return jax.tree.map(lambda *xs: np.stack(xs, axis), *[p[mode] for p in parts])
 
-    return dict(value=stacked("value"), grad=grad, jvp=stacked("jvp"))
+    out = dict(value=stacked("value"), grad=grad, jvp=stacked("jvp"))
+    if function == "trace_funm":
+        out["grad_per_key"] = jax.tree.map(lambda *xs: np.stack(xs), *grads)
+    return out
 
 
 def _expected(cell, prob, size) -> dict:
@@ -904,10 +932,12 @@ def _expected(cell, prob, size) -> dict:
     math = _reference_options(cell["function"], cell["options"])
     want = reference(cell["function"], kind, x_kind, size, math)
     if prob.operator == "bcoo":
-        grad = dict(want["grad"])
         rows, cols = prob.arrays["indices"].T
-        grad["data"] = grad.pop("S")[rows, cols]
-        want = dict(want, grad=grad)
+        for mode in ("grad", "grad_per_key"):
+            if mode in want:
+                grad = dict(want[mode])
+                grad["data"] = grad.pop("S")[..., rows, cols]
+                want = dict(want, **{mode: grad})
     return want
 
 
@@ -915,11 +945,12 @@ def _host(out, cell, prob, order) -> dict:
     """A cell's results on the host, in the reference's terms: the stored entries
     back in their first order, `krylov`'s rows layout as columns."""
     out = jax.tree.map(np.asarray, out)
-    if order is not None and "grad" in out:
-        grad = dict(out["grad"])
-        data = np.empty_like(grad["data"])
-        data[order] = grad["data"]
-        out["grad"] = dict(grad, data=data)
+    for mode in ("grad", "grad_per_key"):
+        if order is not None and mode in out:
+            grad = dict(out[mode])
+            data = np.empty_like(grad["data"])
+            data[..., order] = grad["data"]
+            out[mode] = dict(grad, data=data)
     krylov = cell["function"] in ("krylov", "chebyshev")
     if krylov and cell["options"]["layout"] == "rows":
         for mode in ("value", "jvp"):
