@@ -75,6 +75,7 @@ from ._funm import (
     _hidden_point,
     _result_dtype,
     _scalar_function,
+    eigh_one_at_a_time,
     function_tangent,
 )
 from ._operator import AbstractOperator, as_operator
@@ -723,7 +724,7 @@ def _eigh_seen(T: Array, C: Array) -> tuple[Array, Array]:
     \|C\|$, as the zero rows and columns of deflated columns: `eigh` mixes the
     eigenvectors of such a repeated eigenvalue to rounding) replaced by the
     visible one of largest weight, as `_funm._eigh` does."""
-    lam, V = jnp.linalg.eigh(T)
+    lam, V = eigh_one_at_a_time(T)
     weights = jnp.sqrt(jnp.sum(jnp.abs(conj(V).T @ C) ** 2, axis=1))
     weights = lax.stop_gradient(weights)
     size = lax.stop_gradient(jnp.sqrt(jnp.sum(jnp.abs(C) ** 2)))

@@ -77,6 +77,7 @@ from ._orthogonal import (
     AbstractStop,
     Adjoint,
     check_problem,
+    conj,
     last_step,
     working_dtype,
 )
@@ -739,13 +740,46 @@ def function_tangent(fn: Callable, t_fn: Any, lam: Array) -> Array | None:
     return dvalues
 
 
+@jax.custom_jvp
+def eigh_one_at_a_time(T: Array) -> tuple[Array, Array]:
+    """`jnp.linalg.eigh(T)` of a small Hermitian matrix, and under `jax.vmap` one
+    matrix of the batch after another (`jax.custom_batching.sequential_vmap`).
+
+    jaxlib's batched `eigh` on CPU splits its batch over the thread pool that runs
+    it and waits there for the parts: two batched `eigh`s that XLA runs at once
+    (the estimates of keys under a `vmap` of a gradient, two estimates in one
+    program) can wait on each other forever. One matrix at a time runs inline.
+    Its derivative is JAX's rule for `eigh`, written out (a `sequential_vmap` has
+    no reverse mode): the library's quadratures differentiate by their own rules,
+    and this one serves higher derivatives."""
+    return _eigh_inline(T)
+
+
+@jax.custom_batching.sequential_vmap
+def _eigh_inline(T: Array) -> tuple[Array, Array]:
+    lam, V = jnp.linalg.eigh(T)
+    return lam, V
+
+
+@eigh_one_at_a_time.defjvp
+def _eigh_one_at_a_time_jvp(primals, tangents):
+    (T,), (t_T,) = primals, tangents
+    lam, V = eigh_one_at_a_time(T)
+    # As `jnp.linalg.eigh`, which symmetrises its input (and so its tangent).
+    t_T = (t_T + conj(t_T).T) / 2
+    E = conj(V).T @ t_T.astype(V.dtype) @ V
+    eye = jnp.eye(lam.shape[0], dtype=lam.dtype)
+    F = 1 / (eye + lam[None, :] - lam[:, None]) - eye
+    return (lam, V), (jnp.real(jnp.diagonal(E)).astype(lam.dtype), V @ (F * E))
+
+
 def _eigh(diagonal: Array, off_diagonal: Array) -> tuple[Array, Array, Array]:
     r"""Eigenvalues, eigenvectors and first eigenvector entries of T, with the
     eigenvalues that $e_0$ does not see replaced by the visible one of largest
     weight: `f` is evaluated there anyway, so it is finite there whenever the
     result is. (The Rayleigh quotient $T_{00}$ is not: it is 0 on a bipartite
     graph, where $1/x$ and $\log x^2$ are infinite.)"""
-    lam, V = jnp.linalg.eigh(_tridiagonal(diagonal, off_diagonal))
+    lam, V = eigh_one_at_a_time(_tridiagonal(diagonal, off_diagonal))
     weights = V[0]
     hidden = jnp.abs(weights) <= jnp.finfo(lam.dtype).eps
     seen = lam[jnp.argmax(jnp.abs(weights))]

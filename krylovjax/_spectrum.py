@@ -33,6 +33,7 @@ from ._checks import (
     check_inexact,
     check_size,
 )
+from ._funm import eigh_one_at_a_time
 from ._lanczos import lanczos
 from ._typing import OperatorLike, StaticInt
 
@@ -219,6 +220,6 @@ def _ritz(A: Any, key: Any, d: Any, n: Any, dtype: Any) -> tuple[Array, Array, A
     steps = jnp.concatenate([jnp.ones(1, jnp.int32), (beta != 0).astype(jnp.int32)])
     alpha = jnp.where(jnp.cumprod(steps) == 1, alpha, alpha[0])
     T = jnp.diag(alpha) + jnp.diag(beta, 1) + jnp.diag(beta, -1)
-    theta, S = jnp.linalg.eigh(T)
+    theta, S = eigh_one_at_a_time(T)
     bound = jnp.linalg.norm(dec.residual).astype(work) * jnp.abs(S[-1])
     return theta[0] - bound[0], theta[-1] + bound[-1], real

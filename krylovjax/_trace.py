@@ -65,6 +65,7 @@ from ._funm import (
     _scalar_function,
     _working_dtype,
     block_sizes,
+    eigh_one_at_a_time,
     function_tangent,
     tolerance,
 )
@@ -709,7 +710,7 @@ def _head_trace(f: Callable, T: Array, visible: Array, head: Array, arg: str) ->
 
 @eqx.filter_custom_jvp
 def _weighted_trace(fn: Callable, T: Array, head: Array) -> Array:
-    lam, V = jnp.linalg.eigh(T)
+    lam, V = eigh_one_at_a_time(T)
     values = fn(lam)
     weights = (head @ (V * V)).astype(values.dtype)
     return jnp.sum(values * weights)
@@ -719,7 +720,7 @@ def _weighted_trace(fn: Callable, T: Array, head: Array) -> Array:
 def _weighted_trace_jvp(primals, tangents):
     fn, T, head = primals
     t_fn, t_T, _ = tangents
-    lam, V = jnp.linalg.eigh(T)
+    lam, V = eigh_one_at_a_time(T)
     values, derivatives = jax.jvp(fn, (lam,), (jnp.ones_like(lam),))
     dtype = values.dtype
     W = (V.T @ (head[:, None] * V)).astype(dtype)
