@@ -181,6 +181,48 @@ def test_gradients():
     )
 
 
+def test_gradient_is_unbiased_over_many_keys():
+    """Over S = 1000 keys, the mean derivative of each deflated estimate of
+    tr(A^2) along a symmetric direction E is the exact 2 tr(A E), and forward and
+    reverse mode agree key by key (a `jax.vmap` over the keys of `jax.jvp` and
+    `jax.grad`, in one program).
+
+    For f(x) = x^2 at d = 4 every quadrature is exact for every A, so each
+    estimate is unbiased for tr(A^2) in a neighbourhood of A, and so is its exact
+    derivative for 2 tr(A E). The z-test fails falsely with probability below
+    1e-7 per estimator (|N(0, 1)| > 5.5)."""
+    S, n, d, m = 1000, 12, 4, 6
+    A = spd(n, seed=3)
+    E = symmetrise(jr.normal(jr.key(8), (n, n), jnp.float64))
+    keys = jr.split(jr.key(9), S)
+
+    @jax.jit
+    def run(A, E, keys):
+        def per_key(key, estimator):
+            def estimate(A):
+                return krylovjax.trace_funm(
+                    jnp.square,
+                    A,
+                    key,
+                    d,
+                    num_probes=m,
+                    estimator=estimator,
+                    **FEW_OPTIONS[estimator],
+                )
+
+            forward = jax.jvp(estimate, (A,), (E,))[1]
+            return forward, jnp.sum(jax.grad(estimate)(A) * E)
+
+        return {e: jax.vmap(lambda k, e=e: per_key(k, e))(keys) for e in DEFLATED}
+
+    want = 2 * float(jnp.sum(A * E))
+    for estimator, (forward, reverse) in run(A, E, keys).items():
+        forward, reverse = np.asarray(forward), np.asarray(reverse)
+        np.testing.assert_allclose(reverse, forward, rtol=1e-9, atol=1e-9)
+        z = abs(forward.mean() - want) / (forward.std(ddof=1) / np.sqrt(S))
+        assert z < 5.5, (estimator, z)
+
+
 def test_float32():
     """The deflated estimators in float32, with sketches that span everything:
     the exact log-determinant to float32 accuracy, in one program."""
