@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Inexact, Int, Real
 
 from ._arnoldi import arnoldi_in_working_dtype, arnoldi_with_stop
@@ -81,7 +82,7 @@ from ._orthogonal import (
     last_step,
     working_dtype,
 )
-from ._sharding import auto_types, explicit_mesh
+from ._sharding import auto_types, explicit_mesh, gathered, is_explicit, typed_like
 from ._typing import OperatorLike, StaticInt
 
 METHODS = ("lanczos", "arnoldi", "chebyshev")
@@ -743,22 +744,37 @@ def function_tangent(fn: Callable, t_fn: Any, lam: Array) -> Array | None:
 @jax.custom_jvp
 def eigh_one_at_a_time(T: Array) -> tuple[Array, Array]:
     """`jnp.linalg.eigh(T)` of a small Hermitian matrix, and under `jax.vmap` one
-    matrix of the batch after another (`jax.custom_batching.sequential_vmap`).
+    matrix of the batch after another (a `jax.custom_batching.custom_vmap` that
+    loops, as `sequential_vmap` does, over the batch gathered from the devices).
 
     jaxlib's batched `eigh` on CPU splits its batch over the thread pool that runs
     it and waits there for the parts: two batched `eigh`s that XLA runs at once
     (the estimates of keys under a `vmap` of a gradient, two estimates in one
     program) can wait on each other forever. One matrix at a time runs inline.
-    Its derivative is JAX's rule for `eigh`, written out (a `sequential_vmap` has
-    no reverse mode): the library's quadratures differentiate by their own rules,
+    Its derivative is JAX's rule for `eigh`, written out (a `custom_vmap` has no
+    reverse mode): the library's quadratures differentiate by their own rules,
     and this one serves higher derivatives."""
     return _eigh_inline(T)
 
 
-@jax.custom_batching.sequential_vmap
+@jax.custom_batching.custom_vmap
 def _eigh_inline(T: Array) -> tuple[Array, Array]:
     lam, V = jnp.linalg.eigh(T)
     return lam, V
+
+
+@_eigh_inline.def_vmap
+def _eigh_inline_vmap(axis_size, in_batched, T):
+    """A loop over the batch (`lax.map`), gathered first where it is split over
+    an explicit mesh (keys split over devices): a loop cannot run over a split
+    axis. The outputs come back split as the batch was."""
+    del axis_size
+    lam, V = lax.map(_eigh_inline, gathered(T))
+    if is_explicit(T):
+        sharding = jax.typeof(T).sharding
+        batch = sharding.spec[0] if len(sharding.spec) else None
+        lam = jax.sharding.reshard(lam, sharding.update(spec=P(batch)))
+    return (lam, typed_like(V, T)), (True, True)
 
 
 @eigh_one_at_a_time.defjvp
