@@ -464,7 +464,7 @@ def funm_action(
     y = y.astype(_result_dtype(b_promoted.dtype, coefficients.dtype))
     if estimate is None or tol is None:
         return y
-    betas = lax.stop_gradient(jnp.concatenate([betas, jnp.zeros((1,), betas.dtype)]))
+    betas = lax.stop_gradient(jnp.concatenate([betas, jnp.zeros_like(betas[:1])]))
     size = lax.stop_gradient(_norm(coefficients))
     info = FunmInfo(
         error=lax.stop_gradient(estimate * dec.norm),
@@ -867,12 +867,13 @@ def _matrix_function_e0(f: Callable, H: Array) -> Array:
     zero, where $f$ may be infinite (`inv`, `log`), and the infinity would turn
     into `nan` in the visible block too. Derivatives reach the visible block only,
     as they would have (the decomposition's tangents vanish beyond it)."""
-    d = H.shape[0]
     broken = jnp.cumsum((jnp.diagonal(H, -1) == 0).astype(jnp.int32)) > 0
-    visible = ~jnp.concatenate([jnp.zeros((1,), bool), broken])
+    # Zeros like `H`'s entries, not fresh ones: under a `vmap` over vectors split
+    # over an explicit mesh, an array on no mesh does not join them.
+    visible = ~jnp.concatenate([jnp.zeros_like(broken[:1]), broken])
     block = jnp.where(visible[:, None] & visible[None, :], H, jnp.zeros_like(H))
     c = _hidden_point(f, lax.stop_gradient(block))
-    hidden = jnp.where(visible, jnp.zeros((d,), H.dtype), c)
+    hidden = jnp.where(visible, jnp.zeros_like(jnp.diagonal(H)), c)
     return f(block + jnp.diag(hidden))[:, 0]
 
 

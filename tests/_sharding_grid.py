@@ -454,11 +454,35 @@ TARGETED = (
         _cell("block_funm", "explicit", "dense", "replicated", "replicated", options=o)
         for o in ({"method": "lanczos"}, {"method": "trace"})
     ),
+    # A matrix on no mesh under a `vmap` over vectors split over an explicit mesh:
+    # fresh zeros joined to the decomposition's numbers (Arnoldi's visible block,
+    # the depth of a stopped run) did not join them.
+    *(
+        _cell(
+            function,
+            "explicit",
+            "dense",
+            "replicated",
+            "block",
+            options=options,
+            unplaced="A",
+        )
+        for function, options in (
+            ("arnoldi", {}),
+            ("lanczos", {}),
+            *(
+                ("funm_action", {"method": method, "tol": tol})
+                for method in ("lanczos", "arnoldi")
+                for tol in ("none", 1e-8)
+            ),
+        )
+    ),
     # Every estimate of keys split over an explicit mesh (`vmap`), with the
     # gradient for each key, the matrix placed on no mesh: a scatter into fresh
     # zeros (the Krylov-aware block Krylov basis, block Lanczos's tridiagonal
     # matrix) had no layout JAX could resolve, and the cotangent of a matrix
-    # placed on no mesh was resharded back onto none under the `vmap`.
+    # placed on no mesh was resharded back onto none under the `vmap`; with a
+    # tolerance, the fresh zeros that count the steps of a stopped run.
     *(
         _cell(
             "trace_funm",
@@ -466,10 +490,13 @@ TARGETED = (
             "dense",
             "replicated",
             "block",
-            options={"estimator": estimator},
+            options=options,
             unplaced="A",
         )
-        for estimator in ESTIMATORS
+        for options in (
+            *({"estimator": estimator} for estimator in ESTIMATORS),
+            {"estimator": "hutchinson", "tol": 1e-6},
+        )
     ),
 )
 
@@ -703,6 +730,9 @@ class Problem:
             A = self.operator_of(a)
             like = a.get("like", jax.ShapeDtypeStruct((self.n,), jnp.float64))
 
+            # `tol` in the targeted cells only (not a dimension of the grid).
+            tol = options.get("tol")
+
             def estimate(key):
                 return krylovjax.trace_funm(
                     jnp.exp,
@@ -711,6 +741,7 @@ class Problem:
                     d,
                     like=like,
                     adjoint=options["adjoint"],
+                    tol=tol,
                     **ESTIMATOR_OPTIONS[options["estimator"]],
                 )
 
@@ -860,7 +891,8 @@ def _reference_options(function, options):
     if function == "block_funm":
         return (("method", options["method"]),)
     if function == "trace_funm":
-        return (("estimator", options["estimator"]),)
+        tol = (("tol", options["tol"]),) if "tol" in options else ()
+        return (("estimator", options["estimator"]), *tol)
     return ()
 
 
