@@ -217,7 +217,10 @@ def _ritz(A: Any, key: Any, d: Any, n: Any, dtype: Any) -> tuple[Array, Array, A
     # After a breakdown (an invariant space of k < d vectors) the trailing block
     # of T is zero, and its zero eigenvalues are not Ritz values: it becomes
     # alpha_0 I (inside the visible block's range), with a zero residual.
-    steps = jnp.concatenate([jnp.ones(1, jnp.int32), (beta != 0).astype(jnp.int32)])
+    # (`ones_like`, not fresh ones: under a `vmap` over keys split over an explicit
+    # mesh, an array on no mesh does not join the decomposition's numbers.)
+    nonzero = (beta != 0).astype(jnp.int32)
+    steps = jnp.concatenate([jnp.ones_like(alpha[:1], jnp.int32), nonzero])
     alpha = jnp.where(jnp.cumprod(steps) == 1, alpha, alpha[0])
     T = jnp.diag(alpha) + jnp.diag(beta, 1) + jnp.diag(beta, -1)
     theta, S = eigh_one_at_a_time(T)
