@@ -749,8 +749,9 @@ def eigh_one_at_a_time(T: Array) -> tuple[Array, Array]:
 
     jaxlib's batched `eigh` on CPU splits its batch over the thread pool that runs
     it and waits there for the parts: two batched `eigh`s that XLA runs at once
-    (the estimates of keys under a `vmap` of a gradient, two estimates in one
-    program) can wait on each other forever. One matrix at a time runs inline.
+    can wait on each other forever (a `vmap` over 1000 keys of the gradients of
+    a deflated trace estimate with its sketch held fixed did). One matrix at a
+    time runs inline.
     Its derivative is JAX's rule for `eigh`, written out (a `custom_vmap` has no
     reverse mode): the library's quadratures differentiate by their own rules,
     and this one serves higher derivatives."""
