@@ -454,9 +454,12 @@ TARGETED = (
         _cell("block_funm", "explicit", "dense", "replicated", "replicated", options=o)
         for o in ({"method": "lanczos"}, {"method": "trace"})
     ),
-    # A matrix on no mesh under a `vmap` over vectors split over an explicit mesh:
-    # fresh zeros joined to the decomposition's numbers (Arnoldi's visible block,
-    # the depth of a stopped run) did not join them.
+    # A matrix on no mesh under a `vmap` over vectors or keys split over an
+    # explicit mesh (for keys, with the gradient for each key). Fresh arrays on no
+    # mesh did not join the split ones: zeros joined to a decomposition's numbers
+    # (Arnoldi's visible block, the steps of a stopped run), scatters into zeros
+    # (the Krylov-aware block Krylov basis, block Lanczos's tridiagonal matrix),
+    # and the matrix's cotangent, resharded back onto no mesh under the `vmap`.
     *(
         _cell(
             function,
@@ -475,27 +478,8 @@ TARGETED = (
                 for method in ("lanczos", "arnoldi")
                 for tol in ("none", 1e-8)
             ),
-        )
-    ),
-    # Every estimate of keys split over an explicit mesh (`vmap`), with the
-    # gradient for each key, the matrix placed on no mesh: a scatter into fresh
-    # zeros (the Krylov-aware block Krylov basis, block Lanczos's tridiagonal
-    # matrix) had no layout JAX could resolve, and the cotangent of a matrix
-    # placed on no mesh was resharded back onto none under the `vmap`; with a
-    # tolerance, the fresh zeros that count the steps of a stopped run.
-    *(
-        _cell(
-            "trace_funm",
-            "explicit",
-            "dense",
-            "replicated",
-            "block",
-            options=options,
-            unplaced="A",
-        )
-        for options in (
-            *({"estimator": estimator} for estimator in ESTIMATORS),
-            {"estimator": "hutchinson", "tol": 1e-6},
+            *(("trace_funm", {"estimator": e}) for e in ESTIMATORS),
+            ("trace_funm", {"estimator": "hutchinson", "tol": 1e-6}),
         )
     ),
 )
