@@ -103,9 +103,11 @@ def exact(X, lengthscale, noise):
     return float(value), float(grad)
 
 
-def estimator_fn(X, noise, d, m, estimator, b=None, free=False):
+def estimator_fn(X, noise, d, m, estimator, b=None, free=False, q=None):
     """Value and lengthscale gradient of one estimate, vmapped over keys."""
     options = {} if b is None else {"num_sketch": b}
+    if q is not None:
+        options["deflated_blocks"] = q
 
     def one(lengthscale, key):
         A = (matrix_free if free else dense)(X, lengthscale, noise)
@@ -209,11 +211,12 @@ def big(cfg, dim, lengthscale, noise, d, choice, log, kinds=(False, True)):
     value, _ = exact(X, lengthscale, noise)
     log(f"exact at n={n}: {value}")
     m, b = choice["num_probes"], choice["num_sketch"]
+    q = choice.get("deflated_blocks")
     keys = jax.random.split(jax.random.key(3), cfg["big_seeds"])
     out = {"n": n, "exact": value}
     for free in kinds:
         kind = "matrix-free" if free else "dense"
-        ka = estimator_fn(X, noise, d, m, "krylov-aware", b, free)
+        ka = estimator_fn(X, noise, d, m, "krylov-aware", b, free, q)
         # The matrix-free operator recomputes the kernel at every product: its
         # statistics are those of the dense one (same keys, same estimates to
         # rounding), so it runs one key, for the agreement and the time.
@@ -445,7 +448,11 @@ def big_only(cfg, args, log):
     report = {
         "problem": f"{args.dim}-D uniform points, lengthscale {ell}, noise {noise}",
         "d": d,
-        "choice": {"num_probes": m, "num_sketch": b},
+        "choice": {
+            "num_probes": m,
+            "num_sketch": b,
+            "deflated_blocks": args.deflated_blocks,
+        },
         "machine": h.machine_info("jax", "jaxlib", "gpytorch", "matfree"),
     }
     if not args.dense_only:
@@ -456,8 +463,140 @@ def big_only(cfg, args, log):
     kinds = (False,) if args.dense_only else (False, True)
     report["big"] = big(cfg, args.dim, ell, noise, d, report["choice"], log, kinds)
     stem = f"big_{m}_{b}" + ("_dense" if args.dense_only else "")
+    if args.deflated_blocks is not None:
+        stem += f"_q{args.deflated_blocks}"
     h.write_results(args.out, report, f"{report}\n", stem=stem)
     print(report)
+
+
+def deflation_sweep(cfg, args, log):
+    """How much of the block Krylov space to deflate (`deflated_blocks`).
+
+    On the kernel at the statistics size: the 95th percentile of the relative
+    error and the lengthscale gradient's variance over `--seeds` keys for each
+    `deflated_blocks`, at the budget `--sweep-budget`, beside Hutchinson's with
+    as many probes. Then the price: the quadrature bias of the deflated trace,
+    $\operatorname{tr}(E^\top f(\mathcal T) E) - \operatorname{tr}(Q^\top f(A) Q)$,
+    computed against a dense $f(A)$ for one sketch (the library's own block
+    Krylov basis), over the standard deviation of one remainder probe (sphere
+    probes on the complement of $Q$), for spectra without decay ($n = 1000$) and
+    for the kernel."""
+    # The library's block Krylov basis, for the bias only.
+    from krylovjax import _trace
+    from krylovjax._operator import DenseOperator
+
+    ell, noise, d = args.lengthscale, args.noise, args.d
+    m, b = args.sweep_budget
+    qs = sorted({d - d // 2, (2 * d) // 3, d - 5, d - 2, d - 1, d})
+    X = points(cfg["n_stats"], args.dim)
+    value, grad = exact(X, ell, noise)
+    keys = jax.random.split(jax.random.key(7), cfg["seeds"])
+    rows = []
+    for q in qs:
+        fn = estimator_fn(X, noise, d, m, "krylov-aware", b, q=q)
+        v, g = run_keys(fn, ell, keys, 10)
+        rows.append(summary(v, g, value, grad, m * d) | {"deflated_blocks": q})
+        log(f"deflated_blocks={q}: {rows[-1]}")
+    v, g = run_keys(estimator_fn(X, noise, d, m, "hutchinson"), ell, keys, 10)
+    hutch = summary(v, g, value, grad, m * d)
+    log(f"hutchinson m={m}: {hutch}")
+
+    n = 1000
+    rng = np.random.default_rng(0)
+    U, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    spectra = {
+        "log, eigenvalues uniform in [1, 100]": (np.linspace(1, 100, n), np.log),
+        "exp, eigenvalues uniform in [0, 20]": (np.linspace(0, 20, n), np.exp),
+        "1/x, eigenvalues geometric in [1e-3, 1]": (
+            np.geomspace(1e-3, 1, n),
+            lambda x: 1 / x,
+        ),
+    }
+    matrices = {k: ((U * lam) @ U.T, f) for k, (lam, f) in spectra.items()}
+    matrices[f"log, the kernel (n = {cfg['n_stats']})"] = (
+        np.asarray(dense(X, ell, noise)),
+        np.log,
+    )
+    bias = {}
+    for name, (A, f) in matrices.items():
+        size = A.shape[0]
+        lam, V = np.linalg.eigh(A)
+        fA = (V * f(lam)) @ V.T
+        omega = jax.random.normal(jax.random.key(3), (b, size), jnp.float64)
+        basis, products = jax.jit(
+            lambda A, omega: _trace._block_krylov(DenseOperator(A), omega, d)
+        )(jnp.asarray(A), omega)
+        basis = np.asarray(basis)
+        T = basis @ np.asarray(products).T
+        mu, W = np.linalg.eigh((T + T.T) / 2)
+        fT = (W * f(mu)) @ W.T
+        bias[name] = []
+        for q in qs:
+            k = q * b
+            Q = basis[:k]
+            err = np.trace(fT[:k, :k]) - np.trace(Q @ fA @ Q.T)
+            P = np.eye(size) - Q.T @ Q
+            r = np.sort(np.linalg.eigvalsh(P @ fA @ P))
+            # the remainder on the range of P: drop the k eigenvalues nearest 0
+            r = np.delete(r, np.argsort(np.abs(r))[:k])
+            sd = np.sqrt(2 * np.sum((r - r.mean()) ** 2))
+            bias[name].append({"deflated_blocks": q, "bias": err, "probe_sd": sd})
+        log(f"bias, {name}: {bias[name]}")
+    report = {
+        "problem": f"{args.dim}-D uniform points, lengthscale {ell}, noise {noise}",
+        "d": d,
+        "budget": {"num_probes": m, "num_sketch": b},
+        "n": cfg["n_stats"],
+        "seeds": cfg["seeds"],
+        "exact": value,
+        "rows": rows,
+        "hutchinson": hutch,
+        "bias": bias,
+        "machine": h.machine_info("jax", "jaxlib"),
+    }
+    lines = [
+        f"# deflated_blocks: log det(K + s^2 I) at n = {cfg['n_stats']}, "
+        f"num_probes = {m}, num_sketch = {b}, d = {d}, {cfg['seeds']} keys",
+        "",
+    ]
+    lines += h.table(
+        "deflated_blocks | q95 rel. error | mean rel. error | grad variance",
+        [
+            (
+                r["deflated_blocks"],
+                h.fmt(r["q95_rel_error"], ".2e"),
+                h.fmt(r["mean_rel_error"], ".1e"),
+                h.fmt(r["grad_var"], ".3g"),
+            )
+            for r in rows
+        ]
+        + [
+            (
+                f"Hutchinson, {m} probes",
+                h.fmt(hutch["q95_rel_error"], ".2e"),
+                h.fmt(hutch["mean_rel_error"], ".1e"),
+                h.fmt(hutch["grad_var"], ".3g"),
+            )
+        ],
+        "lrrr",
+    )
+    lines += [
+        "",
+        "Quadrature bias of the deflated trace over one remainder probe's "
+        f"standard deviation (one sketch of {b} columns):",
+        "",
+    ]
+    lines += h.table(
+        "matrix | " + " | ".join(f"q = {q}" for q in qs),
+        [
+            (name,) + tuple(h.fmt(abs(c["bias"]) / c["probe_sd"], ".1e") for c in cells)
+            for name, cells in bias.items()
+        ],
+        "l" + "r" * len(qs),
+    )
+    text = "\n".join(lines) + "\n"
+    h.write_results(args.out, report, text, stem=f"deflation_{m}_{b}")
+    print(text)
 
 
 def main():
@@ -484,6 +623,26 @@ def main():
         "Hutchinson probes); default 3, too few for a 95th percentile",
     )
     parser.add_argument(
+        "--deflated-blocks",
+        type=int,
+        help="with --big-only: trace_funm's deflated_blocks for the Krylov-aware "
+        "budget (default: the library's, ceil(d / 2))",
+    )
+    parser.add_argument(
+        "--deflation-sweep",
+        action="store_true",
+        help="only the sweep over deflated_blocks at the statistics size, and the "
+        "quadrature bias it costs on spectra without decay",
+    )
+    parser.add_argument(
+        "--sweep-budget",
+        nargs=2,
+        type=int,
+        default=(4, 3),
+        metavar=("NUM_PROBES", "NUM_SKETCH"),
+        help="with --deflation-sweep: the Krylov-aware budget (default 4 3)",
+    )
+    parser.add_argument(
         "--dense-only",
         action="store_true",
         help="with --big-only: the dense operator only, and no competitors",
@@ -496,6 +655,9 @@ def main():
     ell, noise, d = args.lengthscale, args.noise, args.d
     if args.big_only:
         big_only(cfg, args, log)
+        return
+    if args.deflation_sweep:
+        deflation_sweep(cfg, args, log)
         return
     stats = statistics(cfg, args.dim, ell, noise, d, log)
     choice = best(stats["rows"])

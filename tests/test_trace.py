@@ -340,6 +340,43 @@ def test_low_rank_plus_identity():
     assert np.all(np.abs(np.asarray(estimates) - exact) > 1e-3)
 
 
+def test_deflated_blocks():
+    """`deflated_blocks` sets how much of the block Krylov space is deflated. From
+    one column, the space of A = I + U U^T (U of rank 5) is invariant after 6
+    vectors: deflating 6 of d = 7 blocks gives log det A and its derivative in U,
+    2 A^{-1} U, to rounding; the default, ceil(7/2) = 4 blocks, leaves part of U's
+    range to the single remainder probe. One program."""
+    n, r, d = 30, 5, 7
+    U = jr.normal(jr.key(0), (n, r), jnp.float64)
+
+    @jax.jit
+    def run(U, key):
+        def estimate(U, q):
+            A = jnp.eye(n) + U @ U.T
+            return krylovjax.trace_funm(
+                jnp.log,
+                A,
+                key,
+                d,
+                num_probes=2,
+                estimator="krylov-aware",
+                deflated_blocks=q,
+            )
+
+        return {
+            "default": jax.value_and_grad(estimate)(U, None),
+            "six": jax.value_and_grad(estimate)(U, 6),
+        }
+
+    A = np.eye(n) + np.asarray(U @ U.T)
+    out = run(U, jr.key(1))
+    value, grad = out["six"]
+    np.testing.assert_allclose(value, log_det(A), rtol=1e-12)
+    np.testing.assert_allclose(grad, 2 * np.linalg.solve(A, U), rtol=1e-8, atol=1e-10)
+    value, _ = out["default"]
+    assert abs(float(value) - log_det(A)) > 1e-2
+
+
 def test_unbiased_standard_error_matrix_free_vmap():
     """Over S = 4000 keys, the mean of each estimator's estimates is the exact
     trace, and the reported standard error matches the spread of the estimates.
@@ -409,6 +446,22 @@ def test_errors():
         ValueError, match=r"`trace_funm\(num_probes=...\)` must be at least 2"
     ):
         trace(jnp.log, A, key, 2, num_probes=1, estimator="krylov-aware")
+    with pytest.raises(
+        ValueError, match=r"`trace_funm\(deflated_blocks=...\)` applies to"
+    ):
+        trace(jnp.log, A, key, 2, num_probes=2, deflated_blocks=1)
+    with pytest.raises(
+        ValueError, match=r"`trace_funm\(deflated_blocks=...\)` must be at most `d`"
+    ):
+        trace(
+            jnp.log,
+            A,
+            key,
+            2,
+            num_probes=2,
+            estimator="krylov-aware",
+            deflated_blocks=3,
+        )
     with pytest.raises(TypeError, match=r"`trace_funm\(num_sketch=...\)` must be a"):
         unchecked_trace(
             jnp.log, A, key, 2, num_probes=4, estimator="hutch++", num_sketch=1.5
