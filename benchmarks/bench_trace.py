@@ -555,8 +555,8 @@ def deflation_sweep(cfg, args, log):
         "machine": h.machine_info("jax", "jaxlib"),
     }
     lines = [
-        f"# deflated_blocks: log det(K + s^2 I) at n = {cfg['n_stats']}, "
-        f"num_probes = {m}, num_sketch = {b}, d = {d}, {cfg['seeds']} keys",
+        f"log det(K + s^2 I) at n = {cfg['n_stats']}, num_probes = {m}, "
+        f"num_sketch = {b}, d = {d}, {cfg['seeds']} keys:",
         "",
     ]
     lines += h.table(
