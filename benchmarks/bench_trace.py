@@ -535,11 +535,14 @@ def deflation_sweep(cfg, args, log):
             k = q * b
             Q = basis[:k]
             err = np.trace(fT[:k, :k]) - np.trace(Q @ fA @ Q.T)
-            P = np.eye(size) - Q.T @ Q
-            r = np.sort(np.linalg.eigvalsh(P @ fA @ P))
-            # the remainder on the range of P: drop the k eigenvalues nearest 0
-            r = np.delete(r, np.argsort(np.abs(r))[:k])
-            sd = np.sqrt(2 * np.sum((r - r.mean()) ** 2))
+            # f(A) on the complement of Q, in an orthonormal basis of it, and
+            # the variance of one probe uniform on that sphere (trace_funm's
+            # docstring): 2 r / (r + 2) (|M|_F^2 - tr(M)^2 / r), r = size - k.
+            rest = np.linalg.qr(Q.T, mode="complete")[0][:, k:]
+            M = rest.T @ fA @ rest
+            r = size - k
+            square = np.sum(M * M) - np.trace(M) ** 2 / r
+            sd = np.sqrt(2 * r / (r + 2) * square)
             bias[name].append({"deflated_blocks": q, "bias": err, "probe_sd": sd})
         log(f"bias, {name}: {bias[name]}")
     report = {
