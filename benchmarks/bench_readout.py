@@ -42,14 +42,27 @@ FULL = {
     "ssm": (64, 256, 16384),
     "checkpoints": [16, 64, None, 1024],
     "sizes": [(512, 200), (32, 5000)],
-    "chunks": ((32, 5000), [64, 256, 512, 1024]),
+    # The reverse pass's settings: (n, d), then (steps per chunk, stacked, one
+    # product) per row; None steps: the default.
+    "chunks": [
+        (
+            (32, 5000),
+            [(64, True, True), (512, True, True), (None, False, True)]
+            + [(None, True, True)],
+        ),
+        (
+            (512, 200),
+            [(24, True, False), (24, True, True), (None, True, False)]
+            + [(None, True, True)],
+        ),
+    ],
     "timing": {"target_s": 1.0, "min_rounds": 5, "max_rounds": 50},
 }
 QUICK = {
     "ssm": (8, 4, 64),
     "checkpoints": [2, None],
     "sizes": [(16, 20)],
-    "chunks": ((16, 20), [4, 16]),
+    "chunks": [((16, 20), [(4, True, True), (None, False, False)])],
     "timing": {"target_s": 0.02, "min_rounds": 3, "max_rounds": 5},
 }
 READOUTS = 8
@@ -201,25 +214,40 @@ def run_size(n, d, timing):
 
 
 @contextlib.contextmanager
-def reverse_settings(chunk, n, stacked):
-    """Trace with reverse chunks of `chunk` steps for vectors of `n` numbers, and
-    with the readout read from the stored vectors at once (`stacked`, the default)
-    or piece by piece in the forward loop: the two defaults this part measures,
-    set on `krylovjax._readout` for the trace only."""
-    saved = readout_module.CHUNK_NUMBERS, readout_module.Rows.reads_stack
-    readout_module.CHUNK_NUMBERS = chunk * n
+def reverse_settings(chunk, n, stacked, whole):
+    """Trace with reverse chunks of `chunk` steps for vectors of `n` numbers
+    (`None`: the default), with the readout read from the stored vectors at once
+    (`stacked`, the default) or piece by piece in the forward loop, and with a
+    dense matrix's gradient one product per chunk (`whole`) or summed in blocks
+    of rows: the defaults this part measures, set on `krylovjax._readout` for the
+    trace only."""
+    names = ("CHUNK_NUMBERS", "WHOLE_PRODUCT_NUMBERS")
+    saved = [getattr(readout_module, k) for k in names], readout_module.Rows.reads_stack
+    if chunk is not None:
+        readout_module.CHUNK_NUMBERS = chunk * n
+    if not whole:
+        readout_module.WHOLE_PRODUCT_NUMBERS = 0
     if not stacked:
         readout_module.Rows.reads_stack = lambda self, xs: False
     try:
         yield
     finally:
-        readout_module.CHUNK_NUMBERS, readout_module.Rows.reads_stack = saved
+        for k, v in zip(names, saved[0], strict=True):
+            setattr(readout_module, k, v)
+        readout_module.Rows.reads_stack = saved[1]
 
 
-def run_chunks(n, d, chunks, timing):
-    """`krylov_readout`'s gradient at (n, d) (the loss of the sizes part) with the
-    reverse pass's chunks of each size in `chunks`, with and without the stacked
-    readout, side by side with the forward pass."""
+def setting_name(chunk, stacked, whole):
+    steps = "default chunks" if chunk is None else f"chunks of {chunk}"
+    read = "stacked" if stacked else "per step"
+    product = "one product" if whole else "row blocks"
+    return f"{read}, {steps}, {product}"
+
+
+def run_chunks(n, d, settings, timing):
+    """`krylov_readout`'s gradient at (n, d) (the loss of the sizes part) with
+    each of `settings` (`reverse_settings`'s arguments but `n`), side by side with
+    the forward pass."""
     args = size_problem(n, d)
 
     def forward(A, x0, C, theta):
@@ -227,16 +255,15 @@ def run_chunks(n, d, chunks, timing):
         return krylovjax.krylov_readout(A, x0, d, C)
 
     compiled = {"forward": h.compile_timed(forward, args)[0]}
-    for stacked in (False, True):
-        for chunk in chunks:
-            key = f"{'stacked' if stacked else 'per step'}, chunks of {chunk}"
-            with reverse_settings(chunk, n, stacked):
-                # A fresh function per trace, so that no traced program is reused.
-                def loss(A, x0, C, theta):
-                    return jnp.sum(jnp.sin(forward(A, x0, C, theta)))
+    for chunk, stacked, whole in settings:
+        with reverse_settings(chunk, n, stacked, whole):
+            # A fresh function per trace, so that no traced program is reused.
+            def loss(A, x0, C, theta):
+                return jnp.sum(jnp.sin(forward(A, x0, C, theta)))
 
-                grad = jax.grad(loss, argnums=(0, 1, 2))
-                compiled[key] = h.compile_timed(grad, args)[0]
+            grad = jax.grad(loss, argnums=(0, 1, 2))
+            key = setting_name(chunk, stacked, whole)
+            compiled[key] = h.compile_timed(grad, args)[0]
     names = list(compiled)
     times = h.time_interleaved([h.ready(compiled[k], args) for k in names], **timing)
     median = {k: t["median_s"] for k, t in zip(names, times, strict=True)}
@@ -335,25 +362,27 @@ def markdown(report):
         rows,
         "llrrrrrrrr",
     )
-    c = report["chunks"]
     lines += [
         "",
         "",
-        f"The reverse pass's settings at ({c['n']}, {c['d']}), `krylov_readout`'s "
-        "gradient as above, side by side with its forward pass "
-        f"({h.ms(c['median_s']['forward'])} ms): chunks of steps whose pairings "
-        "are one GEMM, and the output read from the stored vectors by one GEMM "
-        "after the forward loop (stacked) or a product per step (per step).",
+        "The reverse pass's settings, `krylov_readout`'s gradient as above, each "
+        "size's rows timed side by side with its forward pass: chunks of steps "
+        "whose pairings are one GEMM (the default: as many steps as "
+        "`CHUNK_NUMBERS` numbers hold, at most d), each chunk's gradient of the "
+        "dense matrix one product or summed in blocks of 16 rows, and the output "
+        "read from the stored vectors by one GEMM after the forward loop (stacked) "
+        "or a product per step (per step).",
         "",
-        *h.table(
-            "setting | grad (ms) | grad / forward",
-            [
-                (k, h.ms(c["median_s"][k]), h.fmt(v))
-                for k, v in c["grad_over_forward"].items()
-            ],
-            "lrr",
-        ),
     ]
+    rows = []
+    for c in report["chunks"]:
+        size = f"({c['n']}, {c['d']})"
+        rows.append((size, "forward", h.ms(c["median_s"]["forward"]), ""))
+        rows += [
+            (size, k, h.ms(c["median_s"][k]), h.fmt(v))
+            for k, v in c["grad_over_forward"].items()
+        ]
+    lines += h.table("(n, d) | setting | time (ms) | grad / forward", rows, "llrr")
     lines += [
         "",
         "",
@@ -382,9 +411,10 @@ def main(argv=None):
     for n, d in config["sizes"]:
         log(f"size ({n}, {d})")
         sizes.append(run_size(n, d, config["timing"]))
-    (n, d), chunks = config["chunks"]
-    log(f"reverse chunks at ({n}, {d})")
-    chunked = run_chunks(n, d, chunks, config["timing"])
+    chunked = []
+    for (n, d), settings in config["chunks"]:
+        log(f"reverse settings at ({n}, {d})")
+        chunked.append(run_chunks(n, d, settings, config["timing"]))
     report = {
         "machine": h.machine_info(),
         "ssm": ssm,

@@ -7,9 +7,9 @@ added to a running sum. This module holds what that depends on, per kind:
 
 - `gradient_chunk(operator, vector_size)`: how many steps a chunk takes (fewer for
   very wide vectors, or where the product's temporary is large);
-- `add_param_vjp(operator, acc, stored, first, cts)`: `acc` plus the chunk's share
-  of the gradient, `param_vjp` of a slice of the stored stack. The dense and BCOO
-  kinds specialise it to bound its temporary memory;
+- `add_param_vjp(operator, acc, stored, first, cts, row_blocks=True)`: `acc` plus
+  the chunk's share of the gradient, `param_vjp` of a slice of the stored stack.
+  The dense and BCOO kinds specialise it to bound its temporary memory;
 - `mv_add(operator, x, y)`: $y + A x$, which the BCOO kind scatter-adds into `y`
   itself (a step of the reverse pass);
 - `chunk_steps(x0, most)`: the cap on a chunk's numbers, whatever the kind;
@@ -220,8 +220,8 @@ def _merge(xs: Array) -> Array:
     return xs.reshape(xs.shape[0] * xs.shape[1], *xs.shape[2:])
 
 
-def _dense_add_param_vjp(operator, acc, stored, first, cts):
-    block = _row_block(operator.matrix)
+def _dense_add_param_vjp(operator, acc, stored, first, cts, row_blocks):
+    block = _row_block(operator.matrix) if row_blocks else None
     if block is None:
         return _generic_add_param_vjp(operator, acc, stored, first, cts)
     axes = (0, *range(2, cts.ndim))
@@ -235,8 +235,8 @@ def _dense_add_param_vjp(operator, acc, stored, first, cts):
     return _cotangent(DenseOperator(_add_by_rows(acc.matrix, product, block)))
 
 
-def _rows_add_param_vjp(operator, acc, stored, first, cts):
-    block = _row_block(operator.transposed)
+def _rows_add_param_vjp(operator, acc, stored, first, cts, row_blocks):
+    block = _row_block(operator.transposed) if row_blocks else None
     if block is None:
         return _generic_add_param_vjp(operator, acc, stored, first, cts)
     xs = lax.dynamic_slice_in_dim(stored, first, cts.shape[0])
@@ -267,11 +267,16 @@ def _sparse_add_param_vjp(operator, acc, stored, first, cts):
     return _cotangent(grad)
 
 
-def _batched_add_param_vjp(operator, acc, stored, first, cts):
+def _batched_add_param_vjp(operator, acc, stored, first, cts, row_blocks):
     assert isinstance(acc, BatchedOperator)
     batch = cts.shape[1]
     inner = add_param_vjp(
-        operator.inner, acc.inner, _merge(stored), first * batch, _merge(cts)
+        operator.inner,
+        acc.inner,
+        _merge(stored),
+        first * batch,
+        _merge(cts),
+        row_blocks=row_blocks,
     )
     return _cotangent(BatchedOperator(inner))
 
@@ -287,17 +292,21 @@ def add_param_vjp(
     stored: Array,
     first: Array | int,
     cts: Array,
+    *,
+    row_blocks: bool = True,
 ) -> AbstractOperator:
     """`acc` plus `operator.param_vjp(xs, cts)` for the `k = len(cts)` stored
-    vectors `xs = stored[first:first + k]`: how the reverse pass sums its chunks."""
+    vectors `xs = stored[first:first + k]`: how the reverse pass sums its chunks.
+    Without `row_blocks`, a dense matrix's share is one product even from
+    `LEAN_FROM` rows on (a temporary as large as the matrix)."""
     if isinstance(operator, DenseOperator):
-        return _dense_add_param_vjp(operator, acc, stored, first, cts)
+        return _dense_add_param_vjp(operator, acc, stored, first, cts, row_blocks)
     if isinstance(operator, DenseRowsOperator):
-        return _rows_add_param_vjp(operator, acc, stored, first, cts)
+        return _rows_add_param_vjp(operator, acc, stored, first, cts, row_blocks)
     if isinstance(operator, SparseOperator):
         return _sparse_add_param_vjp(operator, acc, stored, first, cts)
     if isinstance(operator, BatchedOperator):
-        return _batched_add_param_vjp(operator, acc, stored, first, cts)
+        return _batched_add_param_vjp(operator, acc, stored, first, cts, row_blocks)
     return _generic_add_param_vjp(operator, acc, stored, first, cts)
 
 

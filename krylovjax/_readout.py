@@ -35,11 +35,12 @@ Storing every vector ($s = 1$) recomputes nothing; it is the default while the
 $d$ vectors take at most `STORE_ALL_BYTES` (where memory is no concern and time
 is). Then a readout that one batched product can read (a dense `C` of vectors,
 scalar coefficients) reads the stored vectors once after the loop
-(`_Readout.from_stack`), and for tiny vectors the reverse chunks are longer
-(`CHUNK_NUMBERS`). Above, the default keeps as many vectors as those bytes hold, between
-`FEWEST` and $2\lceil\sqrt d\,\rceil - 1$ (`default_checkpoints`): about one
-extra forward pass for $O(\sqrt d)$ vectors, or a few more for vectors so large
-that only a couple can be kept.
+(`_Readout.from_stack`), for small vectors the reverse chunks are longer
+(`CHUNK_NUMBERS`), and a small dense matrix's gradient is one product per chunk
+(`WHOLE_PRODUCT_NUMBERS`). Above, the default keeps as many vectors as those
+bytes hold, between `FEWEST` and $2\lceil\sqrt d\,\rceil - 1$
+(`default_checkpoints`): about one extra forward pass for $O(\sqrt d)$ vectors, or
+a few more for vectors so large that only a couple can be kept.
 
 **Forward and reverse mode from one rule**, as for `krylov`: a `custom_jvp`
 whose tangent is a primitive (`_tangent.tangent_primitive`), implemented by JAX's
@@ -113,12 +114,21 @@ SMALL_VECTOR = 4096
 
 
 # For a dense matrix the reverse pass takes chunks of at least this many numbers
-# of adjoint vectors (more steps than the scan's `_chunks.CHUNK` for vectors under
-# 256 numbers): for vectors so small a step costs what its operations' overheads
-# do, and a chunk's own operations are spread over more steps. At (n, d) =
+# of adjoint vectors (1 MiB in float32; more steps than the scan's `_chunks.CHUNK`
+# for vectors under 4096 numbers): for small vectors a step costs what its
+# operations' overheads do, and a chunk's own operations (a GEMM of the
+# operator's gradient, the readout's VJP) are spread over more steps. At (n, d) =
 # (32, 5000) chunks of 256 to 1024 steps made the gradient 5-10% faster than
-# chunks of 64 (the reverse-settings table of `benchmarks/bench_readout.py`).
-CHUNK_NUMBERS = 2**14
+# chunks of 64, and at (512, 200) one chunk of all 200 steps (with the gradient
+# one product, `WHOLE_PRODUCT_NUMBERS`) 7-12% faster than chunks of 24 (the
+# reverse-settings table of `benchmarks/bench_readout.py`).
+CHUNK_NUMBERS = 2**18
+
+# A dense matrix of at most this many numbers gets each chunk's gradient as one
+# product (a temporary as large as the matrix, 1 MiB in float32) rather than the
+# scan's blocks of rows (`_chunks.LEAN_FROM`), which bound the temporary at the
+# price of a small GEMM per block.
+WHOLE_PRODUCT_NUMBERS = 2**18
 
 
 def _reverse_chunk_steps(operator: AbstractOperator, x0: Array) -> int:
@@ -132,6 +142,11 @@ def _reverse_chunk_steps(operator: AbstractOperator, x0: Array) -> int:
     if dense and x0.size * CHUNK < CHUNK_NUMBERS:
         most = CHUNK_NUMBERS // max(1, x0.size)
     return chunk_steps(x0, most)
+
+
+def _numbers(tree) -> int:
+    """How many numbers the inexact arrays of `tree` hold."""
+    return sum(x.size for x in jtu.tree_leaves(eqx.filter(tree, eqx.is_inexact_array)))
 
 
 def _zero_piece(readout: "_Readout", params, x0: Array) -> Array:
@@ -480,6 +495,8 @@ class _Adjoint(eqx.Module):
     # Steps whose pairings with the operator's gradient are one batched product
     # (1: a product per step).
     chunk: int = eqx.field(static=True)
+    # Whether a dense matrix's share of a chunk is summed in blocks of rows.
+    row_blocks: bool = eqx.field(static=True)
 
 
 def _recompute(adj: _Adjoint, state, lo, length: int) -> Array:
@@ -580,7 +597,9 @@ def _reverse_chunk(adj: _Adjoint, acc, xs, lo, first, size: int):
     acc, ws = lax.fori_loop(0, size, step, (acc, ws))
     carry, grad, ct_readout, dsum = acc
     if ws is not None:
-        grad = add_param_vjp(adj.operator, grad, xs, first, ws)
+        grad = add_param_vjp(
+            adj.operator, grad, xs, first, ws, row_blocks=adj.row_blocks
+        )
     if ct_params is not None:
         ct_readout = adj.readout.add_chunk_params(ct_readout, lo + first, ct_params)
     return carry, grad, ct_readout, dsum
@@ -695,6 +714,7 @@ def readout_adjoint(
         want_operator,
         want_readout,
         chunk=_reverse_chunk_steps(operator, x0) if plan.buffered else 1,
+        row_blocks=_numbers(operator) > WHOLE_PRODUCT_NUMBERS,
     )
     zeros = jnp.zeros_like(x0)
     carry = zeros if padded is None else (zeros, zeros)
