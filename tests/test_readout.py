@@ -164,6 +164,18 @@ def test_mixing_coefficients_and_callable_readout():
     _compare("bcoo", "chebyshev", 5, 2, block=3, mixing=True, C_form="callable")
 
 
+def _value_and_grads(readout, materialised, args):
+    """Pairs of leaves of both losses' values and gradients in all of `args`, in
+    one program."""
+    got, want = jax.jit(
+        lambda a: [
+            jax.value_and_grad(f, argnums=tuple(range(len(a))))(*a)
+            for f in (readout, materialised)
+        ]
+    )(args)
+    return zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+
+
 def test_long_dense_sequence_in_chunks():
     # n = 520, d = 509 (every vector stored): the reverse pass takes chunks of
     # 504 steps (the top one 5) and sums each chunk's gradient of the dense matrix
@@ -184,14 +196,7 @@ def test_long_dense_sequence_in_chunks():
         X = krylovjax.krylov(A, x0, d, adjoint="autodiff")
         return jnp.sum(jnp.sin(C @ X)) + jnp.sum(jnp.sin(X @ coeffs))
 
-    args = (A, x0, C, coeffs)
-    got, want = jax.jit(
-        lambda a: [
-            jax.value_and_grad(f, argnums=(0, 1, 2, 3))(*a)
-            for f in (readout, materialised)
-        ]
-    )(args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    for g, w in _value_and_grads(readout, materialised, (A, x0, C, coeffs)):
         scale = float(jnp.max(jnp.abs(w)))
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12 * scale)
 
@@ -214,14 +219,7 @@ def test_long_sequence():
         X = krylovjax.krylov(A, x0, d, basis=basis, adjoint="autodiff")
         return jnp.sum(jnp.sin(C @ X)) + jnp.sum((X @ coeffs) ** 2)
 
-    args = (A, x0, C, coeffs)
-    got, want = jax.jit(
-        lambda a: [
-            jax.value_and_grad(f, argnums=(0, 1, 2, 3))(*a)
-            for f in (readout, materialised)
-        ]
-    )(args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    for g, w in _value_and_grads(readout, materialised, (A, x0, C, coeffs)):
         np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
 
 
