@@ -13,6 +13,7 @@ added to a running sum. This module holds what that depends on, per kind:
 - `mv_add(operator, x, y)`: $y + A x$, which the BCOO kind scatter-adds into `y`
   itself (a step of the reverse pass);
 - `chunk_steps(x0, most)`: the cap on a chunk's numbers, whatever the kind;
+- `operator_numbers(operator)`: how many numbers its gradient holds;
 
 and the two operator kinds that only the scan makes: `DenseRowsOperator` (a dense
 matrix applied to a block held as rows) and `BatchedOperator` (one operator
@@ -310,6 +311,12 @@ def add_param_vjp(
     return _generic_add_param_vjp(operator, acc, stored, first, cts)
 
 
+def operator_numbers(operator: AbstractOperator) -> int:
+    """How many numbers the operator's inexact arrays hold (its gradient's size)."""
+    leaves = jtu.tree_leaves(eqx.filter(operator, eqx.is_inexact_array))
+    return sum(x.size for x in leaves)
+
+
 def gradient_chunk(operator: AbstractOperator, vector_size: int) -> int:
     """How many steps the reverse pass may take per chunk, for vectors of
     `vector_size` numbers: how many adjoint vectors it keeps at once."""
@@ -328,8 +335,7 @@ def gradient_chunk(operator: AbstractOperator, vector_size: int) -> int:
     if isinstance(operator, FunctionOperator):
         # A chunk's gradient of the callable's arrays is one batched VJP, whose
         # output is a temporary as large as those arrays.
-        leaves = jtu.tree_leaves(eqx.filter(operator, eqx.is_inexact_array))
-        return budget_chunk(sum(x.size for x in leaves), vector_size)
+        return budget_chunk(operator_numbers(operator), vector_size)
     if isinstance(operator, BatchedOperator):
         return gradient_chunk(operator.inner, vector_size)
     return CHUNK

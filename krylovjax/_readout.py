@@ -79,6 +79,7 @@ from ._chunks import (
     add_param_vjp,
     chunk_steps,
     gradient_chunk,
+    operator_numbers,
 )
 from ._krylov import check_problem
 from ._linearity import check_linear
@@ -142,11 +143,6 @@ def _reverse_chunk_steps(operator: AbstractOperator, x0: Array) -> int:
     if dense and x0.size * CHUNK < CHUNK_NUMBERS:
         most = CHUNK_NUMBERS // max(1, x0.size)
     return chunk_steps(x0, most)
-
-
-def _numbers(tree) -> int:
-    """How many numbers the inexact arrays of `tree` hold."""
-    return sum(x.size for x in jtu.tree_leaves(eqx.filter(tree, eqx.is_inexact_array)))
 
 
 def _zero_piece(readout: "_Readout", params, x0: Array) -> Array:
@@ -714,7 +710,7 @@ def readout_adjoint(
         want_operator,
         want_readout,
         chunk=_reverse_chunk_steps(operator, x0) if plan.buffered else 1,
-        row_blocks=_numbers(operator) > WHOLE_PRODUCT_NUMBERS,
+        row_blocks=operator_numbers(operator) > WHOLE_PRODUCT_NUMBERS,
     )
     zeros = jnp.zeros_like(x0)
     carry = zeros if padded is None else (zeros, zeros)
