@@ -75,7 +75,9 @@ def test_depth_against_a_sweep_and_the_true_error():
 
 
 def test_derivatives_and_closed_form():
-    """Hutch++ on a kernel matrix with a lengthscale: the default rules against
+    """Hutchinson on a kernel matrix with a lengthscale (its derivative is the
+    exact derivative of the estimate; the deflated estimators' is not, see
+    `test_trace.py`): the default rules against
     JAX's own rules through the same early-stopped runs and against finite
     differences in forward and reverse mode; and on a diagonal matrix with three
     distinct eigenvalues, where every run ends exact at depth 3, the estimate is
@@ -94,7 +96,6 @@ def test_derivatives_and_closed_form():
                 key,
                 d,
                 num_probes=6,
-                estimator="hutch++",
                 tol=tol,
                 adjoint=adjoint,
             )
