@@ -18,7 +18,7 @@ quadrature, by three estimators.
 The quadratures and their derivative rule are those of `funm_action` (`_funm.py`).
 The Krylov-aware estimator holds its sketch fixed in the derivatives and
 differentiates each remainder quadrature $w^\top f(A)\, w$ by its first-order
-term $(f'(A)\, w)^\top \dot A\, w$ instead of through its run (`_first_order`, a
+term $(f'(A)\, w)^\top \dot A\, w$ instead of through its run (`_held_products`, a
 tangent primitive: one VJP of the operator over all probes in reverse mode); why
 is in `trace_funm`'s docstring.
 Bases are orthonormalised one vector at a time (`_orthonormal_rows`): a vector of
@@ -581,7 +581,7 @@ class _Runs(eqx.Module):
 
         With `operator` (the Krylov-aware remainder's probes, held fixed),
         the runs are not differentiated in $A$: each term's derivative in $A$ is
-        its first-order term $(f'(A) w)^\top \dot A\, w$ (`_first_order`), with
+        its first-order term $(f'(A) w)^\top \dot A\, w$ (`_held_products`), with
         $f'(A) w \approx \|w\| Q f'(T) e_0$ from the same run; its derivative in
         what `f` closes over is the quadrature's."""
 
@@ -617,12 +617,9 @@ class _Runs(eqx.Module):
         if operator is not None:
             held = lax.stop_gradient(start)
             actions = lax.stop_gradient(lax.map(derivative_action, runs))
-            # Typed like the terms (not fresh zeros): under a `vmap` over keys
-            # split over an explicit mesh, an array on no mesh does not join them.
-            like = lax.stop_gradient(jnp.zeros_like(terms))
-            terms = terms + _first_order(
-                operator, held, actions.astype(held.dtype), like
-            )
+            tangents = _held_products(operator, held)
+            first = jnp.sum(actions.astype(held.dtype) * tangents, axis=1)
+            terms = terms + first.astype(terms.dtype)
         terms = jnp.where(empty, jnp.zeros_like(terms), terms)
         products = jnp.where(empty, 0, self._products(runs[2]))
         norm, estimate = lax.stop_gradient(runs[3]), runs[4]
@@ -679,7 +676,6 @@ def _krylov_aware(
     key_sketch, key_rest = jr.split(key)
     omega = jr.normal(key_sketch, (b, n), dtype)
     basis, products = _block_krylov(operator, omega, d)
-    basis = lax.stop_gradient(basis)
     T = basis @ products.T
     T = (T + T.T) / 2
     visible = lax.stop_gradient(jnp.sum(basis * basis, axis=1)) > 0.5
@@ -699,7 +695,9 @@ def _block_krylov(
     `(d b, n)` rows (zero rows for what was dropped), and $A$ times each row.
 
     The basis is held fixed in the derivatives: only the products carry a
-    tangent, $\\dot A$ times each row."""
+    tangent, $\\dot A$ times each row (`_held_products`: in reverse mode one VJP
+    of the operator with all rows, not one per step)."""
+    fixed = _held(operator)
     b, n = omega.shape
     first = _orthonormal_rows(omega, jnp.zeros((0, n), omega.dtype))
     # Padded from `first`, so that the buffer has its layout (under `vmap` over
@@ -708,13 +706,15 @@ def _block_krylov(
 
     def step(carry, k):
         buffer, block = carry
-        product = operator.mm(lax.stop_gradient(block)).astype(block.dtype)
-        block = _orthonormal_rows(lax.stop_gradient(product), buffer)
+        product = fixed.mm(block).astype(block.dtype)
+        block = _orthonormal_rows(product, buffer)
         buffer = lax.dynamic_update_slice(buffer, block, ((k + 1) * b, 0))
         return (buffer, block), product
 
     (buffer, _), products = lax.scan(step, (buffer, first), jnp.arange(d))
-    return buffer[: d * b], products.reshape(d * b, n)
+    basis = lax.stop_gradient(buffer[: d * b])
+    products = lax.stop_gradient(products.reshape(d * b, n))
+    return basis, products + _held_products(operator, basis)
 
 
 def _orthonormal_rows(Y: Array, previous: Array) -> Array:
@@ -995,74 +995,78 @@ def _elementwise_derivative(fn: Callable, lam: Array) -> Array:
     return jax.jvp(fn, (lam,), (jnp.ones_like(lam),))[1]
 
 
-def _first_order_impl(operator, W, U, t_operator, like):
-    r"""$u^\top \dot A\, w$ for the rows $w$ of `W` and $u$ of `U`, of shape
-    `like.shape + (n,)` (a batch of probes folded in front by `vmap`)."""
+def _held(operator: AbstractOperator) -> AbstractOperator:
+    """The operator with its arrays held fixed (no derivative through it)."""
+    return jtu.tree_map(
+        lambda x: lax.stop_gradient(x) if eqx.is_inexact_array(x) else x, operator
+    )
+
+
+def _held_products_impl(operator, W, t_operator):
+    r"""$\dot A\, w$ for every row $w$ of `W`, `(..., n)` (a batch of probes
+    folded in front by `vmap`)."""
 
     def rows(W):
         tangents = operator_tangent(operator, t_operator, W)
         assert tangents is not None  # bound only with a tangent
-        return tangents
+        return tangents.astype(W.dtype)
 
     for _ in range(W.ndim - 2):
         rows = jax.vmap(rows)
-    return jnp.sum(U * rows(W).astype(U.dtype), axis=-1).astype(like.dtype)
+    return rows(W)
 
 
-def _first_order_transpose(inputs, ct):
-    operator, W, U, t_operator, like = inputs
+def _held_products_transpose(inputs, ct):
+    operator, W, t_operator = inputs
     ct_operator = nones(t_operator)
     if is_tangent(t_operator):
-        ct = cotangent_like(ct, like)
         n = W.shape[-1]
-        cts = (ct[..., None].astype(U.dtype) * U).reshape(-1, n)
-        grad = operator.param_vjp(W.reshape(-1, n), cts)
+        ct = cotangent_like(ct, W)
+        grad = operator.param_vjp(W.reshape(-1, n), ct.reshape(-1, n))
         ct_operator = like_tangent(t_operator, grad)
-    return nones(operator), None, None, ct_operator, None
+    return nones(operator), None, ct_operator
 
 
-def _first_order_batch(bind, args, axes):
-    """A batch of probes for one operator: one primitive over the whole batch
-    (one product with all of its probes in reverse mode)."""
-    operator, W, U, t_operator, like = args
-    op_axes, W_axis, U_axis, t_op_axes, like_axis = axes
+def _held_products_batch(bind, args, axes):
+    """A batch of rows for one operator: one primitive over the whole batch (one
+    VJP of the operator with all of its rows in reverse mode)."""
+    operator, W, t_operator = args
+    op_axes, W_axis, t_op_axes = axes
     if any(a is not None for a in jtu.tree_leaves((op_axes, t_op_axes))):
         return None
-    W, U = fold_batch((W, U), (W_axis, U_axis), (0, 0))
-    # The output is typed like `like`: as the probes are, batch axis and all
-    # (`like` itself is often unbatched, zeros that depend on no batched value).
-    like = jnp.zeros_like(W[..., 0], dtype=like.dtype)
-    return bind(operator, W, U, t_operator, like), 0
+    (W,) = fold_batch((W,), (W_axis,), (0,))
+    return bind(operator, W, t_operator), 0
 
 
-_first_order_tangent = tangent_primitive(
-    "trace_first_order_tangent",
-    _first_order_impl,
-    _first_order_transpose,
-    4,
-    _first_order_batch,
+_held_products_tangent = tangent_primitive(
+    "trace_held_products_tangent",
+    _held_products_impl,
+    _held_products_transpose,
+    1,
+    _held_products_batch,
 )
 
 
 @eqx.filter_custom_jvp
-def _first_order(operator: AbstractOperator, W: Array, U: Array, like: Array) -> Array:
-    r"""Zeros like `like`, one per row, whose derivative in the operator is
-    $u_i^\top \dot A\, w_i$ (`W`, `U` and `like` held fixed).
+def _held_products(operator: AbstractOperator, W: Array) -> Array:
+    r"""Zeros like `W` whose derivative in the operator is $\dot A\, w$ for each
+    row $w$ of `W` (held fixed).
 
-    Added to a quadrature $q_i \approx w_i^\top f(A)\, w_i$ whose run is not
-    differentiated, with $u_i \approx f'(A)\, w_i$, it gives the quadrature the
-    derivative of $w^\top f(A)\, w$ in $A$ for symmetric $\dot A$,
-    $\operatorname{tr}(f'(A)\, w w^\top \dot A)$ by the Daleckii--Krein formula,
-    evaluated by the run's action. In reverse mode it is one VJP of the
-    operator's products over all rows (`param_vjp`)."""
-    return jnp.zeros_like(like)
+    Added to products $A w$ computed without derivatives, it gives them theirs;
+    paired with $u \approx f'(A)\, w$ it gives a quadrature
+    $q \approx w^\top f(A)\, w$ whose run is not differentiated the derivative
+    of $w^\top f(A)\, w$ for symmetric $\dot A$,
+    $\operatorname{tr}(f'(A)\, w w^\top \dot A) = u^\top \dot A\, w$, by the
+    Daleckii--Krein formula. In reverse mode its transpose is one VJP of the
+    operator's products with all rows (`param_vjp`)."""
+    return jnp.zeros_like(W)
 
 
-@_first_order.def_jvp
-def _first_order_jvp(primals, tangents):
-    operator, W, U, like = primals
+@_held_products.def_jvp
+def _held_products_jvp(primals, tangents):
+    operator, W = primals
     t_operator = tangent_or_none(tangents[0])
-    zero = jnp.zeros_like(like)
+    zero = jnp.zeros_like(W)
     if t_operator is None:
         return zero, jnp.zeros_like(zero)
-    return zero, _first_order_tangent(operator, W, U, t_operator, zero)
+    return zero, _held_products_tangent(operator, W, t_operator)
