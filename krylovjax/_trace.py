@@ -987,7 +987,7 @@ def _draw(key: Array, sampler: str, m: int, n: int, real: Any) -> Array:
     return z
 
 
-# ------------------------------- the first-order derivative of a held quadrature
+# ------------------------------------------ derivatives with held vectors
 
 
 def _elementwise_derivative(fn: Callable, lam: Array) -> Array:
@@ -1052,12 +1052,12 @@ def _held_products(operator: AbstractOperator, W: Array) -> Array:
     r"""Zeros like `W` whose derivative in the operator is $\dot A\, w$ for each
     row $w$ of `W` (held fixed).
 
-    Added to products $A w$ computed without derivatives, it gives them theirs;
-    paired with $u \approx f'(A)\, w$ it gives a quadrature
-    $q \approx w^\top f(A)\, w$ whose run is not differentiated the derivative
-    of $w^\top f(A)\, w$ for symmetric $\dot A$,
-    $\operatorname{tr}(f'(A)\, w w^\top \dot A) = u^\top \dot A\, w$, by the
-    Daleckii--Krein formula. In reverse mode its transpose is one VJP of the
+    Added to products $A w$ computed without derivatives, it gives them theirs.
+    Paired with $u \approx f'(A)\, w$, as $u^\top (\cdot)$, and added to a
+    quadrature $q \approx w^\top f(A)\, w$ whose run is not differentiated, it
+    gives $q$ the derivative of $w^\top f(A)\, w$ for symmetric $\dot A$,
+    $\operatorname{tr}(f'(A)\, w w^\top \dot A) = u^\top \dot A\, w$ (the
+    Daleckii--Krein formula). In reverse mode its transpose is one VJP of the
     operator's products with all rows (`param_vjp`)."""
     return jnp.zeros_like(W)
 
