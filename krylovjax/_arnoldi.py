@@ -372,7 +372,7 @@ def _recompute(out, reorth: bool):
 
 
 def _append_zero(x: Array) -> Array:
-    return jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
+    return jnp.pad(x, (0, 1))
 
 
 def _passes(passes, k):

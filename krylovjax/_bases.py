@@ -329,7 +329,7 @@ class Jacobi(AbstractBasis):
         C = (k + alpha) * (k + beta) * (nu + 2) / ((k + 1) * (k + sigma + 1) * nu)
         A = jnp.concatenate([((sigma + 2) / 2)[None], A])[: d - 1]
         B = jnp.concatenate([((alpha - beta) / 2)[None], B])[: d - 1]
-        C = jnp.concatenate([jnp.zeros((1,), dtype), C])[: d - 1]
+        C = jnp.pad(C, (1, 0))[: d - 1]
         return _on_interval(self, A, B, C)
 
 

@@ -378,7 +378,7 @@ def _step(operator, reorth, Q, beta_prev, k):
 
 
 def _append_zero(x: Array) -> Array:
-    return jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
+    return jnp.pad(x, (0, 1))
 
 
 def _recompute(operator: AbstractOperator, out, reorth: bool):
@@ -387,7 +387,7 @@ def _recompute(operator: AbstractOperator, out, reorth: bool):
     re-orthogonalisation coefficients $c$ as columns."""
     Q, alpha, beta, r = out[0], out[1], out[2], out[3]
     d = Q.shape[0]
-    beta_prev = jnp.concatenate([jnp.zeros((1,), beta.dtype), beta])
+    beta_prev = jnp.pad(beta, (1, 0))
     betas = _append_zero(beta)
     if not reorth:
         # Without re-orthogonalisation each step normalises w_k itself: w_k =

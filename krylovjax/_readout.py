@@ -346,10 +346,9 @@ def _padded(coefficients: Coefficients | None, d: int):
     if coefficients is None:
         return None
     a, b, c = coefficients
-    zero = jnp.zeros((1,), a.dtype)
-    a, b, c_next = (jnp.concatenate([v, zero]) for v in (a, b, c[1:]))
-    c_next = jnp.concatenate([c_next, zero])[:d]
-    c = jnp.concatenate([c, zero])
+    a, b, c_next = (jnp.pad(v, (0, 1)) for v in (a, b, c[1:]))
+    c_next = jnp.pad(c_next, (0, 1))[:d]
+    c = jnp.pad(c, (0, 1))
     return a, b, c, c_next
 
 
@@ -750,11 +749,10 @@ def readout_adjoint(
     ct_coefficients = None
     if dsum is not None:
         d = plan.d
-        zero = jnp.zeros((1,), dsum.dtype)
         ct_coefficients = (
             dsum[: d - 1, 0],
             dsum[: d - 1, 1],
-            jnp.concatenate([zero, dsum[: max(d - 2, 0), 2]])[: d - 1],
+            jnp.pad(dsum[: max(d - 2, 0), 2], (1, 0))[: d - 1],
         )
     return ct_x0, grad, ct_readout, ct_coefficients
 
