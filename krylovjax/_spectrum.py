@@ -35,6 +35,7 @@ from ._checks import (
 )
 from ._funm import eigh_one_at_a_time
 from ._lanczos import lanczos
+from ._sharding import gathered
 from ._typing import OperatorLike, StaticInt
 
 NAME = "spectrum_interval"
@@ -168,7 +169,10 @@ def _gershgorin(A: Any) -> tuple[Array, Array, Any]:
     real, work = _dtypes(dtype)
     n = matrix.shape[0]
     if isinstance(matrix, sparse.BCOO):
-        summed = matrix.sum_duplicates(nse=matrix.nse)
+        # Its entries gathered first where they are split over an explicit mesh:
+        # `sum_duplicates` sorts them, along an axis that must not be split.
+        entries = (gathered(matrix.data), gathered(matrix.indices))
+        summed = sparse.BCOO(entries, shape=matrix.shape).sum_duplicates(matrix.nse)
         rows, cols = summed.indices[:, 0], summed.indices[:, 1]
         inside = (rows >= 0) & (rows < n) & (cols >= 0) & (cols < n)
         data, rows = summed.data.astype(work), jnp.clip(rows, 0, n - 1)
@@ -177,9 +181,11 @@ def _gershgorin(A: Any) -> tuple[Array, Array, Any]:
         centre = jax.ops.segment_sum(on, rows, num_segments=n)
         radius = jax.ops.segment_sum(off, rows, num_segments=n)
     else:
-        dense = matrix.astype(work)
-        centre = jnp.real(jnp.diagonal(dense))
-        radius = jnp.sum(jnp.where(jnp.eye(n, dtype=bool), 0, jnp.abs(dense)), 1)
+        # Masked row sums, not `jnp.diagonal`: a gather whose sharding JAX does
+        # not resolve for a matrix split over an explicit mesh.
+        dense, eye = matrix.astype(work), jnp.eye(n, dtype=bool)
+        centre = jnp.sum(jnp.where(eye, jnp.real(dense), 0), 1)
+        radius = jnp.sum(jnp.where(eye, 0, jnp.abs(dense)), 1)
     return jnp.min(centre - radius), jnp.max(centre + radius), real
 
 

@@ -31,7 +31,7 @@ prints the cells, `--function` and `--only` select some.)
   `polynomial_action`), `iterate`, `arnoldi`, `lanczos`,
   `funm_action`, `trace_funm`, `block_funm`, and the layers `nn.KrylovGraphConv`,
   `nn.LinearDynamics` and `nn.StateSpaceConv` (`graph_conv`, `linear_dynamics`,
-  `state_space`);
+  `state_space`), and `spectrum` (`spectrum_interval`);
 
 and, beside those, `context` (the call made inside `jax.set_mesh(mesh)`, or
 outside any mesh context with the arrays placed by `NamedSharding(mesh, ...)`)
@@ -58,6 +58,11 @@ equivalent:
   `x0`. Each estimator (and Hutchinson's with its probes in one block) runs with
   the fewest probes it takes (`ESTIMATOR_OPTIONS`), and is compared with itself
   on one device;
+- `spectrum`: `spectrum_interval(method="lanczos")` from a key, and for a
+  matrix (dense or BCOO) also `method="gershgorin"`; `x0` is the key's layout as
+  for `trace_funm` (`"block"`: a `jax.vmap` over `b` keys split over the
+  devices; `"rows"` as `"replicated"`). The interval has no derivative: its
+  gradient and JVP are compared as zeros;
 - `block_funm`: `funm_action` of a block `x0` of shape `(n, b)` as one problem
   (block Lanczos with `jnp.exp`, block Arnoldi with the polynomial), at depth
   `n / b` where its block Krylov space fills everything, or
@@ -216,6 +221,8 @@ FUNCTIONS: dict[str, dict] = {
     "block_funm": dict(
         operators=OPERATORS, options=dict(method=("lanczos", "arnoldi", "trace"))
     ),
+    # `spectrum_interval` by Lanczos, and by Gershgorin for a matrix.
+    "spectrum": dict(operators=OPERATORS, options={}),
 }
 
 
@@ -551,7 +558,7 @@ class Problem:
         elif function not in ("linear_dynamics", "state_space"):
             self._add("S", S, "A", T)
         x_shape = (n, B) if x_kind == "block" else (n,)
-        if function == "trace_funm":
+        if function in ("trace_funm", "spectrum"):
             keys = jax.random.split(jax.random.key(0), B)
             if x_kind == "block":
                 self._add("keys", np.asarray(jax.random.key_data(keys)), "keys")
@@ -732,6 +739,20 @@ class Problem:
             if "keys" in a:
                 return jax.vmap(estimate)(jax.random.wrap_key_data(a["keys"]))
             return estimate(jax.random.wrap_key_data(a["key"]))
+        if f == "spectrum":
+            A = self.operator_of(a)
+            matrix = self.operator in ("dense", "bcoo")
+            sizes = {} if matrix else dict(n=self.n, dtype=jnp.float64)
+
+            def interval(key):
+                out = krylovjax.spectrum_interval(
+                    A, method="lanczos", key=key, d=d, **sizes
+                )
+                return (*out, *krylovjax.spectrum_interval(A)) if matrix else out
+
+            if "keys" in a:
+                return jax.vmap(interval)(jax.random.wrap_key_data(a["keys"]))
+            return interval(jax.random.wrap_key_data(a["key"]))
         if f == "graph_conv":
             layer = eqx.tree_at(
                 lambda m: (m.weight, m.bias), self.layer, (a["weight"], a["bias"])
@@ -862,7 +883,7 @@ def _inputs(prob, place, order):
 # same matrix; only `iterate`'s linear steps differ from its nonlinear ones), and
 # the options whose value changes what is computed, not only how.
 def _reference_operator(function, operator):
-    if function == "iterate" and operator in ("closure", "module"):
+    if function in ("iterate", "spectrum") and operator in ("closure", "module"):
         return "closure"
     return "dense"
 
@@ -889,6 +910,7 @@ COLUMNS = dict(
     lanczos=0,
     funm_action=0,
     trace_funm=0,
+    spectrum=0,
     linear_dynamics=0,
 )
 
@@ -918,7 +940,7 @@ def reference(function, operator, x_kind, size, math) -> dict:
     diff, rest, tangent = _inputs(prob, lambda _, v: jax.device_put(v, one), None)
     parts = []
     for j in range(B):
-        if function == "trace_funm":
+        if function in ("trace_funm", "spectrum"):
             rest = dict(rest, key=block.arrays["keys"][j])
         else:
             diff = dict(diff, x0=block.arrays["x0"][:, j])
@@ -1207,6 +1229,7 @@ SHARDS = (
         "state_space",
         "trace_funm",
         "block_funm",
+        "spectrum",
     ),
     ("arnoldi", "lanczos", "funm_action", "chebyshev", "readout"),
 )

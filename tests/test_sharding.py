@@ -9,7 +9,7 @@ and the documented output shardings). CI runs the pairwise-covering subset, whic
 holds the grid's targeted cells (the documented output shardings, the layouts that
 once failed), as a step of its own; this file checks, without running a cell, that
 the subset covers every pair of values of two dimensions and holds every targeted
-cell. The full grid (732 cells, about eleven minutes on two cores) is run by hand
+cell. The full grid (804 cells, about eleven minutes on two cores) is run by hand
 when the sharding code changes:
 
     python tests/_sharding_grid.py --parallel         # the subset (CI)
