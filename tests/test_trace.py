@@ -237,6 +237,51 @@ def test_gradient_is_unbiased_over_many_keys():
         assert z < 5.5, (estimator, z)
 
 
+def test_spectral_density_by_vmap_over_points():
+    """A smoothed spectral density, phi(t) = tr g(t - A) / n for a Gaussian g of
+    width 0.25, estimated at 41 points t by `jax.vmap` over t of `trace_funm`
+    with an `f` that closes over t: each point equals its own call (value, and
+    the derivative along a shift of A, in one program), and every point is
+    within five standard errors of the exact density.
+
+    At d = n the quadrature is exact, so each estimate is Hutchinson's for
+    g(t I - A) with Rademacher probes, unbiased with the variance of the docs'
+    table, 2 (||M||_F^2 - sum_i M_ii^2) / m. The bound fails falsely with
+    probability below 2.4e-5 over the 41 points (5 sigma, 5.7e-7 each)."""
+    n, m, width = 24, 8, 0.25
+    eigenvalues = np.concatenate([np.linspace(0.5, 1.5, 12), np.linspace(3, 4, 12)])
+    A = spd(n, seed=4, eigenvalues=eigenvalues)
+    points = jnp.linspace(-0.5, 5.0, 41)
+    key = jr.key(11)
+
+    def g(x):
+        return jnp.exp(-(x**2) / (2 * width**2)) / (np.sqrt(2 * np.pi) * width)
+
+    def density(A, t):
+        return krylovjax.trace_funm(lambda x: g(t - x), A, key, n, num_probes=m) / n
+
+    @jax.jit
+    def run(A):
+        identity = jnp.eye(n)
+        shifted = jax.vmap(
+            lambda t: jax.jvp(lambda s: density(A + s * identity, t), (0.0,), (1.0,))
+        )(points)
+        one = [density(A, points[i]) for i in (0, 20, 33)]
+        one_grad = jax.grad(lambda s: density(A + s * identity, points[20]))(0.0)
+        return shifted, jnp.stack(one), one_grad
+
+    (values, derivatives), one, one_grad = run(A)
+    np.testing.assert_allclose(values[jnp.array([0, 20, 33])], one, rtol=1e-12)
+    np.testing.assert_allclose(derivatives[20], one_grad, rtol=1e-10)
+
+    lam, V = np.linalg.eigh(np.asarray(A))
+    for t, value in zip(np.asarray(points), np.asarray(values), strict=True):
+        M = (V * np.asarray(g(t - lam))) @ V.T
+        exact = np.trace(M) / n
+        sigma = np.sqrt(2 * (np.sum(M**2) - np.sum(np.diag(M) ** 2)) / m) / n
+        assert abs(value - exact) <= 5 * sigma + 1e-12, (t, value, exact, sigma)
+
+
 def test_float32():
     """The deflated estimators in float32, with sketches that span everything:
     the exact log-determinant to float32 accuracy, in one program."""
