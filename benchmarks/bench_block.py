@@ -118,7 +118,7 @@ def products_only(A, Z, d):
     return jax.lax.fori_loop(0, d, step, Z)
 
 
-def run_case(name, A, exact, n, d, dtype, reorth, timing, log):
+def run_case(name, A, exact, n, d, dtype, reorth, timing, log, against=None):
     rng = np.random.default_rng(0)
     Z = jnp.asarray(rng.choice([-1.0, 1.0], size=(n, PROBES)).astype(dtype))
     if isinstance(A, np.ndarray):
@@ -134,6 +134,13 @@ def run_case(name, A, exact, n, d, dtype, reorth, timing, log):
             (A, Z),
         ),
     }
+    if against is not None:
+        fns["single at ref"] = (
+            lambda A: against.trace_funm(
+                jnp.log, A, KEY, d, num_probes=PROBES, reorthogonalize=reorth
+            ),
+            (A,),
+        )
     log(f"{name}: n = {n}, d = {d}, compiling and timing")
     results = h.measure(fns, outputs=True, **timing)
     errors = {
@@ -160,7 +167,14 @@ def main():
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "out" / "block"
     )
+    parser.add_argument(
+        "--against",
+        metavar="REF",
+        help="also time the single-vector runs of the package at git revision REF, "
+        "side by side (the last column: their time over today's)",
+    )
     args = parser.parse_args()
+    against = h.import_at(args.against) if args.against else None
     h.cpu_by_default()
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
@@ -176,17 +190,36 @@ def main():
     records = []
     matrix, exact = circulant(dense_n)
     records.append(
-        run_case("dense", matrix, exact, dense_n, d, args.dtype, reorth, timing, log)
+        run_case(
+            "dense", matrix, exact, dense_n, d, args.dtype, reorth, timing, log, against
+        )
     )
     del matrix
     matrix, exact = laplacian(grid)
     records.append(
-        run_case("BCOO", matrix, exact, grid * grid, d, args.dtype, reorth, timing, log)
+        run_case(
+            "BCOO",
+            matrix,
+            exact,
+            grid * grid,
+            d,
+            args.dtype,
+            reorth,
+            timing,
+            log,
+            against,
+        )
     )
     rows = []
     for r in records:
         res = r["results"]
-        block, single, products, decomposition = (res[k]["median_s"] for k in res)
+        block, single, products, decomposition = (
+            res[k]["median_s"]
+            for k in ("block", "single", "products", "block decomposition")
+        )
+        extra = []
+        if against is not None:
+            extra = [h.fmt(h.ratio(single, res["single at ref"]["median_s"]))]
         rows.append(
             [
                 r["case"],
@@ -201,6 +234,7 @@ def main():
                 f"{r['errors']['single']:.2e}",
                 h.fmt(res["block"]["compile_s"], ".1f"),
                 h.fmt(res["single"]["compile_s"], ".1f"),
+                *extra,
             ]
         )
     lines = [
@@ -213,9 +247,10 @@ def main():
             "matrix | n | d | block ms | of which block Lanczos ms | single ms "
             "| products only ms "
             "| single / block time | block rel. error | single rel. error "
-            "| block compile s | single compile s",
+            "| block compile s | single compile s"
+            + (f" | single / single at {args.against}" if against else ""),
             rows,
-            "lrrrrrrrrrrr",
+            "lrrrrrrrrrrr" + ("r" if against else ""),
         ),
     ]
     markdown = "\n".join(lines) + "\n"

@@ -11,7 +11,9 @@ $$u = A q_k - \beta_{k-1} q_{k-1}, \quad
 
 (the last two only with `reorthogonalize=True`: the three-term recurrence is a
 first, local Gram-Schmidt pass, and a classical Gram-Schmidt pass against the whole
-preallocated basis buffer is the second; $c$ is rounding-sized and is not kept),
+preallocated basis buffer is the second; $c$ is rounding-sized and is not kept;
+where $\|w^{(2)}\| < \|w^{(1)}\| / \sqrt 2$ a third pass follows, which changes
+nothing in exact arithmetic and so nothing below, `_reorthogonalized`),
 $\beta_k = \|w^{(2)}\|$ and $q_{k+1} = w^{(2)} / \beta_k$ (at the last step the
 residual $r = w^{(2)}$). Breakdown (`_orthogonal.py`): $\beta_k = 0$,
 $q_{k+1} = 0$, $r = w^{(2)}$, and the later steps are zero. The norms $\nu$ and
@@ -105,8 +107,15 @@ from ._orthogonal import (
     operator_tangent,
     project,
     real_dot,
+    safe_norm,
 )
+from ._sharding import typed_like
 from ._typing import OperatorLike, StaticInt
+
+# A second Gram-Schmidt pass against the basis runs where the first left less
+# than this fraction of the vector's norm ("twice is enough": Daniel, Gragg,
+# Kaufman and Stewart, 1976; Giraud, Langou and Rozloznik, 2005).
+TWICE = 2**-0.5
 
 
 class Lanczos(eqx.Module):
@@ -200,11 +209,14 @@ def lanczos(
     - `d`: the number of basis vectors, a static Python int, `1 <= d <= n`.
     - `reorthogonalize`: `True` (default): after the three-term recurrence, one
         classical Gram-Schmidt pass against the whole basis (Gram-Schmidt twice,
-        counting the recurrence), so $Q$ stays orthonormal to rounding and no
-        spurious copies of converged Ritz values appear; each step costs two extra
-        products with the basis. `False`: the plain three-term recurrence, $O(n)$
-        work per step besides $A q_k$; orthogonality is lost as Ritz values
-        converge.
+        counting the recurrence), and a second where the first removed most of
+        the vector (near an invariant subspace, where one pass leaves rounding
+        along the basis as large as what remains), so $Q$ stays orthonormal to
+        rounding and no spurious copies of converged Ritz values appear; each
+        step costs two extra products with the basis, four where the second
+        pass runs (under `jax.vmap`, at every step). `False`: the plain
+        three-term recurrence, $O(n)$ work per step besides $A q_k$;
+        orthogonality is lost as Ritz values converge.
     - `adjoint`: `"custom_jvp"` (default): the rule described above.
         `"autodiff"`: JAX's own rules through the same `lax.scan` (with
         re-orthogonalisation, reverse mode saves the basis buffer at every step).
@@ -372,9 +384,28 @@ def _step(operator, reorth, Q, beta_prev, k):
     alpha = real_dot(q, u)
     w = u - as_dtype(alpha, q) * q
     if reorth:
-        w = w - combine(Q, project(Q, w))
+        w = _reorthogonalized(Q, w)
     beta, q_next = next_vector(w, w0)
     return alpha, beta, q_next, w
+
+
+def _reorthogonalized(Q: Array, w: Array) -> Array:
+    r"""$w - Q Q^H w$, by one classical Gram-Schmidt pass, and a second where the
+    first removed more than $1 - $ `TWICE` of $w$'s norm: its rounding then left
+    components along $Q$ of the order of $\varepsilon \|w\|$, large against
+    what remains, which one pass more removes (without it, Lanczos in float32
+    lost orthogonality completely and overflowed where Ritz values had
+    converged into a cluster). In exact arithmetic the second pass changes
+    nothing, so the derivative rules, written for that, are unchanged. Under
+    `jax.vmap` both passes run for every vector (the `cond` becomes a
+    `select`)."""
+    out = w - combine(Q, project(Q, w))
+    again = safe_norm(out) < TWICE * safe_norm(w)
+
+    def second(out):
+        return typed_like(out - combine(Q, project(Q, out)), out)
+
+    return lax.cond(again, second, lambda out: out, out)
 
 
 def _append_zero(x: Array) -> Array:
