@@ -135,6 +135,18 @@ def run_case(name, A, exact, n, d, dtype, reorth, timing, log, against=None):
         ),
     }
     if against is not None:
+        fns["block at ref"] = (
+            lambda A: against.trace_funm(
+                jnp.log,
+                A,
+                KEY,
+                d,
+                num_probes=PROBES,
+                block_size=BLOCK,
+                reorthogonalize=reorth,
+            ),
+            (A,),
+        )
         fns["single at ref"] = (
             lambda A: against.trace_funm(
                 jnp.log, A, KEY, d, num_probes=PROBES, reorthogonalize=reorth
@@ -170,8 +182,8 @@ def main():
     parser.add_argument(
         "--against",
         metavar="REF",
-        help="also time the single-vector runs of the package at git revision REF, "
-        "side by side (the last column: their time over today's)",
+        help="also time both paths of the package at git revision REF, side by "
+        "side (the last columns: today's time over theirs)",
     )
     args = parser.parse_args()
     against = h.import_at(args.against) if args.against else None
@@ -219,7 +231,10 @@ def main():
         )
         extra = []
         if against is not None:
-            extra = [h.fmt(h.ratio(single, res["single at ref"]["median_s"]))]
+            extra = [
+                h.fmt(h.ratio(block, res["block at ref"]["median_s"])),
+                h.fmt(h.ratio(single, res["single at ref"]["median_s"])),
+            ]
         rows.append(
             [
                 r["case"],
@@ -248,9 +263,14 @@ def main():
             "| products only ms "
             "| single / block time | block rel. error | single rel. error "
             "| block compile s | single compile s"
-            + (f" | single / single at {args.against}" if against else ""),
+            + (
+                f" | block / block at {args.against} | single / single at "
+                f"{args.against}"
+                if against
+                else ""
+            ),
             rows,
-            "lrrrrrrrrrrr" + ("r" if against else ""),
+            "lrrrrrrrrrrr" + ("rr" if against else ""),
         ),
     ]
     markdown = "\n".join(lines) + "\n"

@@ -10,9 +10,10 @@ orthogonalises the result $W = A Q_k$:
 
 - Lanczos: $W \mathrel{-}= Q_{k-1} B_{k-1}^H$, $\alpha_k = \operatorname{herm}(Q_k^H
   W)$ (the Hermitian part), $W \mathrel{-}= Q_k \alpha_k$, and with
-  `reorthogonalize=True` one classical Gram-Schmidt pass $W \mathrel{-}= Q (Q^H W)$
-  against the whole preallocated basis buffer (its coefficients are
-  rounding-sized and are not kept);
+  `reorthogonalize=True` two classical Gram-Schmidt passes $W \mathrel{-}= Q (Q^H
+  W)$ against the whole preallocated basis buffer (their coefficients are
+  rounding-sized and are not kept; with one, float32 lost orthogonality
+  completely near an invariant subspace);
 - Arnoldi: $C^{(1)} = Q^H W$, $W \mathrel{-}= Q C^{(1)}$, and with
   `reorthogonalize=True` a second pass $C^{(2)}$; the block column $k$ of $H$ above
   its subdiagonal block is $C^{(1)} + C^{(2)}$.
@@ -214,7 +215,7 @@ def block_lanczos(
     - `X0`: the starting block, shape `(n, b)`, floating point or complex.
     - `d`: the number of blocks, a static Python int, `1 <= d` and `d b <= n`.
     - `reorthogonalize`: `True` (default): Gram-Schmidt twice, against the
-        whole basis (one extra block pass) and within each block, so $Q$ stays
+        whole basis (two extra block passes) and within each block, so $Q$ stays
         orthonormal to rounding. `False`: the block three-term recurrence and one
         pass within each block.
     - `adjoint`: `"autodiff"`, the only rule offered: JAX differentiates the
@@ -446,7 +447,11 @@ def _lanczos_forward(operator, X0, d, reorth, stop=None):
         alpha = (alpha + conj(alpha).T) / 2
         W = _subtract(W, Qk, alpha)
         if reorth:
-            W = _subtract(W, Q, _project(Q, W))
+            # Twice: where a pass removes most of a column (near an invariant
+            # subspace), one pass leaves rounding along Q as large as what
+            # remains, and in float32 orthogonality was lost completely.
+            for _ in range(2):
+                W = _subtract(W, Q, _project(Q, W))
         Q_next, B = _columns(W, U, passes)
         rows = (k + 1) * b + jnp.arange(b)
         Q = Q.at[rows].set(Q_next, mode="drop")
