@@ -90,7 +90,6 @@ from ._operator import AbstractOperator
 from ._orthogonal import (
     AbstractStop,
     Adjoint,
-    Reorth,
     add_outer,
     adjoint_mv,
     as_dtype,
@@ -281,21 +280,14 @@ def lanczos_in_working_dtype(
     *,
     reorthogonalize: bool = True,
     adjoint: Adjoint = "custom_jvp",
-    batch_axis: str | None = None,
 ) -> Lanczos:
     r"""[`krylovjax.lanczos`][] with its outputs left in the dtype it computes in
     (`_orthogonal.working_dtype`): float32 for a bfloat16 or float16 problem.
 
     For the functions built on it: a function of $T$ amplifies the rounding of
     $T$ to the half dtype (at eigenvalues near 11, $e^\lambda$ off by 1.5
-    bfloat16 epsilons), which they avoid by rounding only their own result.
-
-    `batch_axis`: called inside `jax.vmap(..., axis_name=batch_axis)`, the runs
-    decide the second Gram-Schmidt pass of a step together (see
-    `_reorthogonalized`)."""
-    return _run_lanczos(
-        A, x0, d, reorthogonalize, adjoint, rounded=False, batch_axis=batch_axis
-    )
+    bfloat16 epsilons), which they avoid by rounding only their own result."""
+    return _run_lanczos(A, x0, d, reorthogonalize, adjoint, rounded=False)
 
 
 def lanczos_with_stop(
@@ -306,37 +298,18 @@ def lanczos_with_stop(
     *,
     reorthogonalize: bool = True,
     adjoint: Adjoint = "custom_jvp",
-    batch_axis: str | None = None,
 ) -> tuple[Lanczos, Array]:
     """`lanczos_in_working_dtype`, ended early by `stop` (see "Stopping early" in
     `_orthogonal.py`): the decomposition, zero after the step that ended it, and
     the test's estimate."""
-    return _run_lanczos(
-        A,
-        x0,
-        d,
-        reorthogonalize,
-        adjoint,
-        rounded=False,
-        stop=stop,
-        batch_axis=batch_axis,
-    )
+    return _run_lanczos(A, x0, d, reorthogonalize, adjoint, rounded=False, stop=stop)
 
 
 def _run_lanczos(
-    A,
-    x0,
-    d,
-    reorthogonalize,
-    adjoint,
-    *,
-    rounded: bool,
-    stop=None,
-    batch_axis: str | None = None,
+    A, x0, d, reorthogonalize, adjoint, *, rounded: bool, stop=None
 ) -> Any:
     operator, x0, d = check_problem(A, x0, d, reorthogonalize, adjoint, "lanczos")
-    # A `Reorth`: the name of the `vmap` axis that decides the second pass.
-    reorth = bool(reorthogonalize) and (batch_axis or True)
+    reorth = bool(reorthogonalize)
     rule = lanczos_forward if adjoint == "autodiff" else lanczos_custom_jvp
     kinds = ("rows", "small", "small", "vector", "small")
     Q, alpha, beta, r, nu, *estimate = decompose(
@@ -350,7 +323,7 @@ def lanczos_forward(
     operator: AbstractOperator,
     x0: Array,
     d: int,
-    reorth: Reorth,
+    reorth: bool,
     stop: AbstractStop | None = None,
     *,
     early: bool = False,
@@ -411,28 +384,23 @@ def _step(operator, reorth, Q, beta_prev, k):
     alpha = real_dot(q, u)
     w = u - as_dtype(alpha, q) * q
     if reorth:
-        w = _reorthogonalized(Q, w, None if reorth is True else reorth)
+        w = _reorthogonalized(Q, w)
     beta, q_next = next_vector(w, w0)
     return alpha, beta, q_next, w
 
 
-def _reorthogonalized(Q: Array, w: Array, batch_axis: str | None) -> Array:
+def _reorthogonalized(Q: Array, w: Array) -> Array:
     r"""$w - Q Q^H w$, by one classical Gram-Schmidt pass, and a second where the
     first removed more than $1 - $ `TWICE` of $w$'s norm: its rounding then left
     components along $Q$ of the order of $\varepsilon \|w\|$, large against
     what remains, which one pass more removes (without it, Lanczos in float32
     lost orthogonality completely and overflowed where Ritz values had
     converged into a cluster). In exact arithmetic the second pass changes
-    nothing, so the derivative rules, written for that, are unchanged.
-
-    Under `jax.vmap` the `cond` becomes a `select`, and both passes run for every
-    vector. Inside `jax.vmap(..., axis_name=batch_axis)` the runs decide together
-    instead (a `pmax` of the test over the axis): the second pass runs, for all of
-    them, at the steps where one of them needs it, and the `cond` stays one."""
+    nothing, so the derivative rules, written for that, are unchanged. Under
+    `jax.vmap` both passes run for every vector (the `cond` becomes a
+    `select`)."""
     out = w - combine(Q, project(Q, w))
     again = safe_norm(out) < TWICE * safe_norm(w)
-    if batch_axis is not None:
-        again = lax.pmax(again.astype(jnp.int32), batch_axis) > 0
 
     def second(out):
         return typed_like(out - combine(Q, project(Q, out)), out)
@@ -444,7 +412,7 @@ def _append_zero(x: Array) -> Array:
     return jnp.pad(x, (0, 1))
 
 
-def _recompute(operator: AbstractOperator, out, reorth: Reorth):
+def _recompute(operator: AbstractOperator, out, reorth: bool):
     r"""The per-step primal intermediates, in batch: $W^{(1)}$ (rows), $\beta_{k-1}$
     and $\beta_k$ by step (zero where there is none), and the
     re-orthogonalisation coefficients $c$ as columns."""

@@ -104,11 +104,6 @@ from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
 # The derivative rules `arnoldi` and `lanczos` offer, by their `adjoint=` names.
 Adjoint = Literal["custom_jvp", "autodiff"]
-# Whether a decomposition re-orthogonalises; a string also does, and names the
-# `jax.vmap` axis over whose runs it decides a step's optional second pass together
-# (Lanczos, `_lanczos._reorthogonalized`). Static: it is a parameter of the
-# derivative rule's primitive.
-Reorth = bool | str
 ADJOINTS: tuple[Adjoint, ...] = ("custom_jvp", "autodiff")
 
 # A new vector shorter than this many machine epsilons times ||A q_k|| is zero.
@@ -302,7 +297,7 @@ def decompose(
     operator: AbstractOperator,
     x0: Array,
     d: int,
-    reorth: Reorth,
+    reorth: bool,
     kinds: tuple[OutputKind, ...],
     *,
     rounded: bool = True,

@@ -505,10 +505,6 @@ def trace_funm(
 _DEFLATED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-# The name of the `vmap` axis over the probes of `_Runs`.
-_PROBES = "probes"
-
-
 class _Runs(eqx.Module):
     r"""Lanczos runs from a batch of vectors: quadratures $\|z\|^2 e_0^\top f(T)
     e_0$ of $z^\top f(A) z$, or actions $f(A) z \approx \|z\| Q f(T) e_0$.
@@ -527,12 +523,9 @@ class _Runs(eqx.Module):
     tol: float | None = eqx.field(static=True, default=None)
 
     def _lanczos(self, vectors: Array, quadrature: bool):
-        # The runs decide the second Gram-Schmidt pass of a step together: under
-        # a plain `vmap` both passes would run at every step.
         options = {
             "reorthogonalize": self.reorthogonalize,
             "adjoint": self.adjoint,
-            "batch_axis": _PROBES,
         }
         if self.tol is None:
 
@@ -546,7 +539,7 @@ class _Runs(eqx.Module):
             def one(z):
                 return lanczos_with_stop(self.A, z, self.d, stop, **options)  # pyright: ignore[reportArgumentType]
 
-        dec, estimate = jax.vmap(one, axis_name=_PROBES)(vectors)
+        dec, estimate = jax.vmap(one)(vectors)
         return dec.basis, dec.diagonal, dec.off_diagonal, dec.norm, estimate
 
     def _stop(self, vectors: Array, quadrature: bool):
