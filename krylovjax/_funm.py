@@ -57,10 +57,13 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Inexact, Int, Real
 
@@ -270,8 +273,11 @@ def funm_action(
     the arrays `A` holds, in `b`, and in the arrays `f` closes over. With
     `method="lanczos"` the first derivatives of the $d \times d$ part have a rule
     of their own that stays finite and exact at repeated eigenvalues of $T$ (after a
-    breakdown), where JAX's rule for `eigh` gives `nan`; second derivatives
-    (`jax.hessian`) go through JAX's rule, so they need distinct eigenvalues.
+    breakdown), where JAX's rule for `eigh` gives `nan`. Second derivatives
+    (`jax.hessian`, reverse over reverse, with or without `tol`) differentiate
+    that rule, through a rule for `eigh` that is finite at exactly equal
+    eigenvalues (the zero block that a breakdown or an early end leaves in $T$);
+    close but distinct eigenvalues of $T$ make them large.
 
     **Blocks.** For `b` of shape `(n, k)`, `"lanczos"` and `"arnoldi"` use
     [`krylovjax.block_lanczos`][] and [`krylovjax.block_arnoldi`][]: $d$ products
@@ -741,53 +747,80 @@ def function_tangent(fn: Callable, t_fn: Any, lam: Array) -> Array | None:
     return dvalues
 
 
-@jax.custom_jvp
 def eigh_one_at_a_time(T: Array) -> tuple[Array, Array]:
     """`jnp.linalg.eigh(T)` of a small Hermitian matrix, and under `jax.vmap` one
-    matrix of the batch after another (a `jax.custom_batching.custom_vmap` that
-    loops, as `sequential_vmap` does, over the batch gathered from the devices).
+    matrix of the batch after another (a loop, as `sequential_vmap` does, over
+    the batch gathered from the devices).
 
     jaxlib's batched `eigh` on CPU splits its batch over the thread pool that runs
     it and waits there for the parts: two batched `eigh`s that XLA runs at once
     can wait on each other forever (a `vmap` over 1000 keys of the gradients of
     a deflated trace estimate with its sketch held fixed did). One matrix at a
     time runs inline.
-    Its derivative is JAX's rule for `eigh`, written out (a `custom_vmap` has no
-    reverse mode): the library's quadratures differentiate by their own rules,
-    and this one serves higher derivatives."""
-    return _eigh_inline(T)
 
-
-@jax.custom_batching.custom_vmap
-def _eigh_inline(T: Array) -> tuple[Array, Array]:
-    lam, V = jnp.linalg.eigh(T)
+    It is a primitive (`_eigh_p`) with a batching rule (the loop), a lowering
+    (`jnp.linalg.eigh`) and a JVP rule (JAX's rule for `eigh`, written out with
+    the primitive for the primal): derivatives of every order, in both modes, and
+    inside loops. (A `jax.custom_batching.custom_vmap` under a `jax.custom_jvp`
+    did the same to first order, but in a `lax.scan` JAX's partial evaluation
+    inlines a `custom_jvp`'s function, and second derivatives then reached the
+    `custom_vmap`, which cannot be linearised: `jax.hessian` of `trace_funm`
+    failed.)"""
+    lam, V = _eigh_p.bind(T)
     return lam, V
 
 
-@_eigh_inline.def_vmap
-def _eigh_inline_vmap(axis_size, in_batched, T):
+def _eigh_abstract(T):
+    lam, V = jax.eval_shape(jnp.linalg.eigh, jax.ShapeDtypeStruct(T.shape, T.dtype))
+    # Placed like `T`: its sharding, less its last axis for the eigenvalues.
+    sharding = T.sharding
+    spec = (*sharding.spec, *[None] * (T.ndim - len(sharding.spec)))
+    return (
+        ShapedArray(lam.shape, lam.dtype, sharding=sharding.update(spec=P(*spec[:-1]))),
+        ShapedArray(V.shape, V.dtype, sharding=sharding),
+    )
+
+
+def _eigh_batched(args, dims):
     """A loop over the batch (`lax.map`), gathered first where it is split over
     an explicit mesh (keys split over devices): a loop cannot run over a split
     axis. The outputs come back split as the batch was."""
-    del axis_size
-    lam, V = lax.map(_eigh_inline, gathered(T))
+    (T,), (dim,) = args, dims
+    T = jnp.moveaxis(T, dim, 0)
+    lam, V = lax.map(eigh_one_at_a_time, gathered(T))
     if is_explicit(T):
         sharding = jax.typeof(T).sharding
         batch = sharding.spec[0] if len(sharding.spec) else None
         lam = jax.sharding.reshard(lam, sharding.update(spec=P(batch)))
-    return (lam, typed_like(V, T)), (True, True)
+    return (lam, typed_like(V, T)), (0, 0)
 
 
-@eigh_one_at_a_time.defjvp
-def _eigh_one_at_a_time_jvp(primals, tangents):
+def _eigh_jvp(primals, tangents):
     (T,), (t_T,) = primals, tangents
     lam, V = eigh_one_at_a_time(T)
+    t_T = ad.instantiate_zeros(t_T)
     # As `jnp.linalg.eigh`, which symmetrises its input (and so its tangent).
     t_T = (t_T + conj(t_T).T) / 2
     E = conj(V).T @ t_T.astype(V.dtype) @ V
-    eye = jnp.eye(lam.shape[0], dtype=lam.dtype)
-    F = 1 / (eye + lam[None, :] - lam[:, None]) - eye
+    # 1 / (lambda_j - lambda_i) off the diagonal, and zero for equal eigenvalues
+    # (the zero block a decomposition that ended early leaves in T), where the
+    # eigenvectors have no derivative: finite (with a finite derivative in turn)
+    # where JAX's rule has inf * 0. Unchanged elsewhere.
+    gap = lam[None, :] - lam[:, None]
+    equal = gap == 0
+    F = jnp.where(equal, 0, 1 / jnp.where(equal, 1, gap))
     return (lam, V), (jnp.real(jnp.diagonal(E)).astype(lam.dtype), V @ (F * E))
+
+
+_eigh_p = jax.extend.core.Primitive("krylovjax_eigh_one_at_a_time")
+_eigh_p.multiple_results = True
+_eigh_p.def_impl(lambda T: tuple(jnp.linalg.eigh(T)))
+_eigh_p.def_abstract_eval(_eigh_abstract)
+mlir.register_lowering(
+    _eigh_p, mlir.lower_fun(lambda T: tuple(jnp.linalg.eigh(T)), multiple_results=True)
+)
+batching.primitive_batchers[_eigh_p] = _eigh_batched
+ad.primitive_jvps[_eigh_p] = _eigh_jvp
 
 
 def _eigh(diagonal: Array, off_diagonal: Array) -> tuple[Array, Array, Array]:
