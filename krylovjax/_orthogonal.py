@@ -639,7 +639,10 @@ def derivative_rule(
     def _jvp(primals, tangents, *, d, reorth):
         operator, x0, stop = primals
         t_operator, t_x0, _ = tangents
-        out = forward(operator, x0, d, reorth, stop, early=True)
+        # Itself, not `forward`: a second derivative then differentiates it by
+        # this rule again, never JAX's rules through the early-ending loop (a
+        # `while_loop`, which reverse mode cannot differentiate).
+        out = decomposition(operator, x0, stop, d=d, reorth=reorth)
         t_x0 = jnp.zeros_like(x0) if t_x0 is None else t_x0
         t_operator = tangent_or_none(t_operator)
         if stop is None:

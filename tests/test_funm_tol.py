@@ -237,6 +237,42 @@ def test_derivatives_are_those_of_the_approximation_returned():
     )
 
 
+def test_second_derivatives():
+    """`jax.hessian` and reverse over reverse through the early-stopped
+    decompositions: those of the fixed-depth call at the depth used, and for
+    Lanczos on s A_0 with f = log also the closed form -|b|^2 / s^2 (the
+    quadrature b^T log(s A_0) b is |b|^2 log s plus a constant). They were NaN
+    (the zero block an early end leaves in T made JAX's `eigh` rule divide by
+    zero) or failed (reverse mode through the `while_loop`)."""
+    n, d, s = 14, 14, 1.3
+    A0 = jnp.asarray(path_laplacian(n)) + jnp.eye(n)
+    b = jnp.asarray(np.random.default_rng(5).normal(size=n))
+    cases = {"lanczos": jnp.log, "arnoldi": lambda H: jax.scipy.linalg.expm(-H)}
+    for method, fn in cases.items():
+
+        def quadratic(s, depth=None):
+            options = {"tol": 1e-6} if depth is None else {}
+            y = krylovjax.funm_action(
+                fn,  # noqa: B023
+                s * A0,
+                b,
+                d if depth is None else depth,
+                method=method,  # noqa: B023
+                **options,
+            )
+            return b @ (y[0] if depth is None else y)
+
+        _, info = krylovjax.funm_action(fn, s * A0, b, d, tol=1e-6, method=method)
+        depth = int(info.depth)
+        assert depth < d, method
+        want = jax.jit(jax.hessian(quadratic), static_argnums=1)(s, depth)
+        if method == "lanczos":
+            np.testing.assert_allclose(want, -(b @ b) / s**2, rtol=1e-10)
+        for mode in (jax.jacfwd, jax.jacrev):
+            got = jax.jit(mode(jax.grad(quadratic)))(s)
+            np.testing.assert_allclose(got, want, rtol=1e-9, err_msg=method)
+
+
 def test_vmap_gives_each_vector_its_own_depth():
     n = 40
     L = jnp.asarray(path_laplacian(n))
