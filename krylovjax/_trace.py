@@ -265,10 +265,11 @@ def trace_funm(
     are not deflated, as Hutch++'s, the first-order term converges like
     $f'(A)\, w$, more slowly than the quadrature: there it doubled Hutch++'s
     gradient variance, which is why Hutch++ keeps the exact derivative.) The
-    derivative in what `f` closes over is the quadrature's. The rule is first
-    order: differentiated again it holds $f'(A)\, w$ fixed too, so the
-    Krylov-aware estimate's second derivatives are not those of
-    $\operatorname{tr} f(A)$. For training (`log det` of a kernel matrix, say)
+    derivative in what `f` closes over is the quadrature's. Differentiated
+    again (`jax.hessian`), the rule differentiates $f'(A)\, w$ and $\dot A$ too,
+    with the sketch still fixed: given the sketch, the second derivative's mean
+    over the remainder's probes is the derivative of the first derivative's
+    mean. For training (`log det` of a kernel matrix, say)
     the noise of any of them is that of a fresh key per step.
 
     **Arguments:**
@@ -611,14 +612,16 @@ class _Runs(eqx.Module):
         empty = square == 0
         start = jnp.where(empty[:, None], jnp.ones_like(vectors), vectors)
         runs = self._lanczos(start, quadrature=True)
+        live = runs
         if operator is not None:
             runs = lax.stop_gradient(runs)
         terms = lax.map(quadrature, runs)
         if operator is not None:
             held = lax.stop_gradient(start)
-            actions = lax.stop_gradient(lax.map(derivative_action, runs))
-            tangents = _held_products(operator, held)
-            first = jnp.sum(actions.astype(held.dtype) * tangents, axis=1)
+            # From the runs with their derivatives: those of the first-order
+            # term are the second derivatives' (`_first_order`).
+            actions = lax.map(derivative_action, live).astype(held.dtype)
+            first = _first_order(actions, operator, held)
             terms = terms + first.astype(terms.dtype)
         terms = jnp.where(empty, jnp.zeros_like(terms), terms)
         products = jnp.where(empty, 0, self._products(runs[2]))
@@ -1066,7 +1069,34 @@ def _held_products(operator: AbstractOperator, W: Array) -> Array:
 def _held_products_jvp(primals, tangents):
     operator, W = primals
     t_operator = tangent_or_none(tangents[0])
-    zero = jnp.zeros_like(W)
+    # Itself, not zeros: under a second derivative its own derivative is needed.
+    out = _held_products(operator, W)
     if t_operator is None:
-        return zero, jnp.zeros_like(zero)
-    return zero, _held_products_tangent(operator, W, t_operator)
+        return out, jnp.zeros_like(out)
+    return out, _held_products_tangent(operator, W, t_operator)
+
+
+@eqx.filter_custom_jvp
+def _first_order(U: Array, operator: AbstractOperator, W: Array) -> Array:
+    r"""Zeros, one per row of `W`, whose derivative is $u^\top \dot A\, w$ for
+    each row $w$ of `W` and $u$ of `U` (`_held_products`).
+
+    Added to a quadrature $q \approx w^\top f(A)\, w$ whose run is not
+    differentiated, with $u \approx f'(A)\, w$, it gives $q$ the first-order term
+    of the Krylov-aware estimator's derivative. The derivatives of `U` (and `W`)
+    are not taken at first order (in reverse mode nothing runs back through the
+    Lanczos runs that made `U`), but they are at higher orders: the derivative
+    of $u^\top \dot A\, w$ has $\dot u^\top \dot A\, w + u^\top \ddot A\, w$,
+    whose mean over the probes is the second derivative of the trace."""
+    return jnp.zeros(W.shape[:-1], W.dtype)
+
+
+@_first_order.def_jvp
+def _first_order_jvp(primals, tangents):
+    U, operator, W = primals
+    t_operator = tangent_or_none(tangents[1])
+    out = _first_order(U, operator, W)
+    if t_operator is None:
+        return out, jnp.zeros_like(out)
+    products = _held_products_tangent(operator, W, t_operator)
+    return out, jnp.sum(U * products, axis=-1).astype(out.dtype)
