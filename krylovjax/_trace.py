@@ -1088,7 +1088,8 @@ def _first_order(U: Array, operator: AbstractOperator, W: Array) -> Array:
     Lanczos runs that made `U`), but they are at higher orders: the derivative
     of $u^\top \dot A\, w$ has $\dot u^\top \dot A\, w + u^\top \ddot A\, w$,
     whose mean over the probes is the second derivative of the trace."""
-    return jnp.zeros(W.shape[:-1], W.dtype)
+    # Like the rows of `W`, on its mesh (fresh zeros would be on none).
+    return jnp.zeros_like(W[..., 0])
 
 
 @_first_order.def_jvp
