@@ -338,18 +338,20 @@ def test_float32():
 
 
 def test_probes_keep_the_second_gram_schmidt_pass_in_float32():
-    """The probes' Lanczos runs, vmapped, take the second Gram-Schmidt pass where
-    they need it. Near an invariant subspace in float32 (an RBF kernel plus a
-    small noise) they need it at different steps: without the pass the estimate
-    was 0.77 off float64's from the same probes, and with it only where every
-    probe needed it, NaN; with it, 3.3e-4."""
+    """The probes' Lanczos runs, vmapped, decide a step's second Gram-Schmidt
+    pass together and take it where one of them needs it. Near an invariant
+    subspace in float32 (an RBF kernel plus a small noise) they need it at
+    different steps: without the pass the estimate was 0.98 off float64's from
+    the same probes, and with it only where every probe needed it, NaN; with
+    it, 2.5e-4. (Whether a key shows the latter depends on the rounding, and so
+    on XLA's optimisations: this one does under the suite's settings.)"""
     n, d = 600, 200
     rng = np.random.default_rng(0)
     points = rng.uniform(size=(n, 2))
     squared = np.sum((points[:, None] - points[None]) ** 2, axis=-1)
     K = np.exp(-squared / (2 * 0.2**2)) + 0.01 * np.eye(n)
     estimates = [
-        krylovjax.trace_funm(jnp.log, jnp.asarray(K, dtype), jr.key(1), d, num_probes=4)
+        krylovjax.trace_funm(jnp.log, jnp.asarray(K, dtype), jr.key(4), d, num_probes=4)
         for dtype in (jnp.float32, jnp.float64)
     ]
     np.testing.assert_allclose(estimates[0], estimates[1], rtol=1e-2)
