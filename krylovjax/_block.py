@@ -10,10 +10,12 @@ orthogonalises the result $W = A Q_k$:
 
 - Lanczos: $W \mathrel{-}= Q_{k-1} B_{k-1}^H$, $\alpha_k = \operatorname{herm}(Q_k^H
   W)$ (the Hermitian part), $W \mathrel{-}= Q_k \alpha_k$, and with
-  `reorthogonalize=True` two classical Gram-Schmidt passes $W \mathrel{-}= Q (Q^H
-  W)$ against the whole preallocated basis buffer (their coefficients are
-  rounding-sized and are not kept; with one, float32 lost orthogonality
-  completely near an invariant subspace);
+  `reorthogonalize=True` a classical Gram-Schmidt pass $W \mathrel{-}= Q (Q^H
+  W)$ against the whole preallocated basis buffer, and a second where the first
+  removed most of a column (`_orthogonal.second_pass`; under `vmap` the blocks
+  decide it together); their coefficients are rounding-sized and are not kept
+  (with one pass only, float32 lost orthogonality completely near an invariant
+  subspace);
 - Arnoldi: $C^{(1)} = Q^H W$, $W \mathrel{-}= Q C^{(1)}$, and with
   `reorthogonalize=True` a second pass $C^{(2)}$; the block column $k$ of $H$ above
   its subdiagonal block is $C^{(1)} + C^{(2)}$.
@@ -86,6 +88,7 @@ from ._orthogonal import (
     conj,
     decompose,
     next_vector,
+    second_pass,
     working_dtype,
 )
 from ._sharding import gathered
@@ -447,11 +450,10 @@ def _lanczos_forward(operator, X0, d, reorth, stop=None):
         alpha = (alpha + conj(alpha).T) / 2
         W = _subtract(W, Qk, alpha)
         if reorth:
-            # Twice: where a pass removes most of a column (near an invariant
-            # subspace), one pass leaves rounding along Q as large as what
-            # remains, and in float32 orthogonality was lost completely.
-            for _ in range(2):
-                W = _subtract(W, Q, _project(Q, W))
+            # And once more where that removed most of a column (near an
+            # invariant subspace): one pass then leaves rounding along Q as large
+            # as what remains, and in float32 orthogonality was lost completely.
+            W = second_pass(Q, W, _subtract(W, Q, _project(Q, W)))
         Q_next, B = _columns(W, U, passes)
         rows = (k + 1) * b + jnp.arange(b)
         Q = Q.at[rows].set(Q_next, mode="drop")

@@ -81,12 +81,9 @@ operator; the temporaries are a few $n \times d$ arrays, never one per step.
 from typing import Any
 
 import equinox as eqx
-import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, Inexact, Real
 
 from ._operator import AbstractOperator
@@ -110,15 +107,9 @@ from ._orthogonal import (
     operator_tangent,
     project,
     real_dot,
-    safe_norm,
+    second_pass,
 )
-from ._sharding import typed_like
 from ._typing import OperatorLike, StaticInt
-
-# A second Gram-Schmidt pass against the basis runs where the first left less
-# than this fraction of the vector's norm ("twice is enough": Daniel, Gragg,
-# Kaufman and Stewart, 1976; Giraud, Langou and Rozloznik, 2005).
-TWICE = 2**-0.5
 
 
 class Lanczos(eqx.Module):
@@ -401,64 +392,10 @@ def _reorthogonalized(Q: Array, w: Array) -> Array:
     converged into a cluster). In exact arithmetic the second pass changes
     nothing, so the derivative rules, written for that, are unchanged.
 
-    The second pass is a primitive (`_second_pass_p`) so that under `jax.vmap`
-    the runs decide it together: its batching rule keeps the `cond` (which
-    `vmap` would make a `select`, running both passes at every step) and runs
-    the pass for all runs at the steps where one of them needs it. Under a
-    second `vmap` the outer one selects."""
+    Under `jax.vmap` the runs decide the second pass together
+    (`_orthogonal.second_pass`)."""
     out = w - combine(Q, project(Q, w))
-    return _second_pass_p.bind(Q, w, out)
-
-
-def _second_pass(Q: Array, w: Array, out: Array) -> Array:
-    """`out`, or `out` orthogonalised against `Q` once more where it has less
-    than `TWICE` of the norm of `w`, the vector before the first pass."""
-    again = safe_norm(out) < TWICE * safe_norm(w)
-
-    def second(out):
-        return typed_like(out - combine(Q, project(Q, out)), out)
-
-    return lax.cond(again, second, lambda out: out, out)
-
-
-def _second_pass_batched(args, dims):
-    """The runs of a batch decide together: one `cond` on whether any needs the
-    pass, which then runs for all of them."""
-    (Q, w, out), (q_dim, w_dim, out_dim) = args, dims
-    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-
-    def batched(x, dim):
-        if dim is None:
-            return jnp.broadcast_to(x, (size, *x.shape))
-        return jnp.moveaxis(x, dim, 0)
-
-    w, out = batched(w, w_dim), batched(out, out_dim)
-    q_axis = None if q_dim is None else 0
-    if q_dim is not None:
-        Q = jnp.moveaxis(Q, q_dim, 0)
-    again = jax.vmap(lambda w, out: safe_norm(out) < TWICE * safe_norm(w))(w, out)
-
-    def second(out):
-        def one(Q, out):
-            return typed_like(out - combine(Q, project(Q, out)), out)
-
-        return jax.vmap(one, in_axes=(q_axis, 0))(Q, out)
-
-    return lax.cond(jnp.any(again), second, lambda out: out, out), 0
-
-
-def _second_pass_jvp(primals, tangents):
-    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    _, t_out = jax.jvp(_second_pass, primals, tangents)
-    return _second_pass_p.bind(*primals), t_out
-
-
-_second_pass_p = jax.extend.core.Primitive("krylovjax_lanczos_second_pass")
-_second_pass_p.def_impl(_second_pass)
-_second_pass_p.def_abstract_eval(lambda Q, w, out: out)
-mlir.register_lowering(_second_pass_p, mlir.lower_fun(_second_pass, False))
-batching.primitive_batchers[_second_pass_p] = _second_pass_batched
-ad.primitive_jvps[_second_pass_p] = _second_pass_jvp
+    return second_pass(Q, w, out)
 
 
 def _append_zero(x: Array) -> Array:

@@ -82,11 +82,13 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 from jax.experimental import sparse
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
@@ -99,7 +101,7 @@ from ._operator import (
     as_operator,
 )
 from ._rules import cotangent_like, fold_batch, tangent_or_none
-from ._sharding import explicit_mesh
+from ._sharding import explicit_mesh, typed_like
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
 # The derivative rules `arnoldi` and `lanczos` offer, by their `adjoint=` names.
@@ -443,6 +445,87 @@ def safe_norm(x: Array) -> Array:
         squares = squares + jnp.sum(jnp.square(jnp.imag(x) * down))
     nonzero = squares != 0
     return jnp.where(nonzero, up * jnp.sqrt(jnp.where(nonzero, squares, 1)), 0)
+
+
+# ------------------------------------------------- the second Gram-Schmidt pass
+
+# A second Gram-Schmidt pass against the basis runs where the first left less
+# than this fraction of a vector's norm ("twice is enough": Daniel, Gragg,
+# Kaufman and Stewart, 1976; Giraud, Langou and Rozloznik, 2005).
+TWICE = 2**-0.5
+
+
+def second_pass(Q: Array, w: Array, out: Array) -> Array:
+    r"""`out`, the vector (or rows `(b, n)`) that one classical Gram-Schmidt pass
+    against the basis `Q` (rows `(m, n)`) made from `w`, orthogonalised against
+    `Q` once more where a row of it has less than `TWICE` of the norm of its row
+    of `w`: there the first pass's rounding left components along `Q` as large
+    as what remains. Elsewhere the second pass would change `out` by rounding
+    only, and is skipped (a `lax.cond`); in exact arithmetic it changes nothing.
+
+    It is a primitive (`_second_pass_p`) for its batching rule: under `jax.vmap`
+    a `cond` becomes a `select`, which would run the pass at every step. Here the
+    runs of a batch decide together, one `cond` on whether any of them needs the
+    pass, which then runs for all of them. (Under two nested `vmap`s the outer
+    one selects.) Its JVP rule is JAX's through the same `cond`."""
+    return _second_pass_p.bind(Q, w, out)
+
+
+def _rows(x: Array) -> Array:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _second_pass_needed(w: Array, out: Array) -> Array:
+    norms = jax.vmap(safe_norm)
+    return jnp.any(norms(_rows(out)) < TWICE * norms(_rows(w)))
+
+
+def _pass_again(Q: Array, out: Array) -> Array:
+    rows = _rows(out)
+    again = rows - (conj(Q) @ rows.T).T @ Q
+    return typed_like(again.reshape(out.shape), out)
+
+
+def _second_pass(Q: Array, w: Array, out: Array) -> Array:
+    def again(out):
+        return _pass_again(Q, out)
+
+    return lax.cond(_second_pass_needed(w, out), again, lambda out: out, out)
+
+
+def _second_pass_batched(args, dims):
+    (Q, w, out), (q_dim, w_dim, out_dim) = args, dims
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+
+    def batched(x, dim):
+        if dim is None:
+            return jnp.broadcast_to(x, (size, *x.shape))
+        return jnp.moveaxis(x, dim, 0)
+
+    w, out = batched(w, w_dim), batched(out, out_dim)
+    q_axis = None if q_dim is None else 0
+    if q_dim is not None:
+        Q = jnp.moveaxis(Q, q_dim, 0)
+    needed = jnp.any(jax.vmap(_second_pass_needed)(w, out))
+
+    def again(out):
+        return jax.vmap(_pass_again, in_axes=(q_axis, 0))(Q, out)
+
+    return lax.cond(needed, again, lambda out: out, out), 0
+
+
+def _second_pass_jvp(primals, tangents):
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    _, t_out = jax.jvp(_second_pass, primals, tangents)
+    return second_pass(*primals), t_out
+
+
+_second_pass_p = jax.extend.core.Primitive("krylovjax_second_gram_schmidt_pass")
+_second_pass_p.def_impl(_second_pass)
+_second_pass_p.def_abstract_eval(lambda Q, w, out: out)
+mlir.register_lowering(_second_pass_p, mlir.lower_fun(_second_pass, False))
+batching.primitive_batchers[_second_pass_p] = _second_pass_batched
+ad.primitive_jvps[_second_pass_p] = _second_pass_jvp
 
 
 def quotient(x: Array, y: Array) -> Array:
