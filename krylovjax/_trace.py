@@ -726,6 +726,9 @@ def _orthonormal_rows(Y: Array, previous: Array) -> Array:
     at a time (twice) against the rows done. A row of which no more than
     $\sqrt\varepsilon$ of its length remains is dropped (a zero row, with zero
     derivative)."""
+    if Y.shape[0] == 0:
+        # No rows (a Hutch++ sketch of size 0): the loop's body could not index.
+        return Y
     eps = jnp.finfo(Y.dtype).eps
     lengths = jnp.sum(lax.stop_gradient(Y) ** 2, axis=1)
     for _ in range(2):

@@ -452,6 +452,35 @@ def test_low_rank_plus_identity():
     assert np.all(np.abs(np.asarray(estimates) - exact) > 1e-3)
 
 
+def test_hutch_plus_plus_with_an_empty_sketch():
+    """Hutch++ with a sketch of size 0 (the default for fewer than three probes,
+    or `num_sketch=0`) is Hutchinson on all its probes: for a diagonal A,
+    Rademacher probes and d at least the number of distinct eigenvalues, exact."""
+    eigenvalues = jnp.arange(1.0, 7.0)
+    A = jnp.diag(eigenvalues)
+    exact = float(jnp.sum(jnp.log(eigenvalues)))
+
+    @jax.jit
+    def run(key):
+        def one(m, k):
+            return krylovjax.trace_funm(
+                jnp.log,
+                A,
+                key,
+                6,
+                num_probes=m,
+                estimator="hutch++",
+                num_sketch=k,
+                return_info=True,
+            )
+
+        return [one(1, None), one(2, None), one(5, 0)]
+
+    for estimate, info in run(jr.key(0)):
+        np.testing.assert_allclose(estimate, exact, rtol=1e-5)
+        assert int(info.rank) == 0
+
+
 def test_deflated_blocks():
     """`deflated_blocks` sets how much of the block Krylov space is deflated. From
     one column, the space of A = I + U U^T (U of rank 5) is invariant after 6
