@@ -87,6 +87,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
+from jax.core import ShapedArray
 from jax.experimental import sparse
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
@@ -455,20 +456,27 @@ def safe_norm(x: Array) -> Array:
 TWICE = 2**-0.5
 
 
-def second_pass(Q: Array, w: Array, out: Array) -> Array:
+def second_pass(Q: Array, w: Array, out: Array, rows: Array | None = None) -> Array:
     r"""`out`, the vector (or rows `(b, n)`) that one classical Gram-Schmidt pass
     against the basis `Q` (rows `(m, n)`) made from `w`, orthogonalised against
     `Q` once more where a row of it has less than `TWICE` of the norm of its row
     of `w`: there the first pass's rounding left components along `Q` as large
     as what remains. Elsewhere the second pass would change `out` by rounding
     only, and is skipped (a `lax.cond`); in exact arithmetic it changes nothing.
+    With `rows`, a boolean `(m,)` mask, only those rows of `Q` are the basis (the
+    others are taken for zero rows).
 
     It is a primitive (`_second_pass_p`) for its batching rule: under `jax.vmap`
     a `cond` becomes a `select`, which would run the pass at every step. Here the
     runs of a batch decide together, one `cond` on whether any of them needs the
     pass, which then runs for all of them. (Under two nested `vmap`s the outer
-    one selects.) Its JVP rule is JAX's through the same `cond`."""
-    return _second_pass_p.bind(Q, w, out)
+    one selects.) The primitive also returns that decision, and its JVP rule
+    takes the pass's tangent where it was made: a `where` on the same decision,
+    which `vmap` leaves unbatched. (JAX's rule through the `cond` would, inside a
+    `vmap`, become a `select` whose inputs `vmap` wraps in `stop_gradient`, which
+    reverse mode cannot transpose when they are tangents.)"""
+    operands = (Q, w, out) if rows is None else (Q, w, out, rows)
+    return _second_pass_p.bind(*operands)[0]
 
 
 def _rows(x: Array) -> Array:
@@ -480,21 +488,25 @@ def _second_pass_needed(w: Array, out: Array) -> Array:
     return jnp.any(norms(_rows(out)) < TWICE * norms(_rows(w)))
 
 
-def _pass_again(Q: Array, out: Array) -> Array:
+def _pass_again(Q: Array, out: Array, *mask: Array) -> Array:
     rows = _rows(out)
-    again = rows - (conj(Q) @ rows.T).T @ Q
+    coefficients = conj(Q) @ rows.T
+    if mask:
+        coefficients = jnp.where(mask[0][:, None], coefficients, 0)
+    again = rows - coefficients.T @ Q
     return typed_like(again.reshape(out.shape), out)
 
 
-def _second_pass(Q: Array, w: Array, out: Array) -> Array:
+def _second_pass(Q: Array, w: Array, out: Array, *mask: Array) -> list[Array]:
     def again(out):
-        return _pass_again(Q, out)
+        return _pass_again(Q, out, *mask)
 
-    return lax.cond(_second_pass_needed(w, out), again, lambda out: out, out)
+    needed = _second_pass_needed(w, out)
+    return [lax.cond(needed, again, lambda out: out, out), needed]
 
 
 def _second_pass_batched(args, dims):
-    (Q, w, out), (q_dim, w_dim, out_dim) = args, dims
+    (Q, w, out, *mask), (q_dim, w_dim, out_dim, *mask_dim) = args, dims
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
 
     def batched(x, dim):
@@ -506,24 +518,49 @@ def _second_pass_batched(args, dims):
     q_axis = None if q_dim is None else 0
     if q_dim is not None:
         Q = jnp.moveaxis(Q, q_dim, 0)
+    mask_axes = []
+    for i, dim in enumerate(mask_dim):
+        mask_axes.append(None if dim is None else 0)
+        if dim is not None:
+            mask[i] = jnp.moveaxis(mask[i], dim, 0)
     needed = jnp.any(jax.vmap(_second_pass_needed)(w, out))
 
     def again(out):
-        return jax.vmap(_pass_again, in_axes=(q_axis, 0))(Q, out)
+        in_axes = (q_axis, 0, *mask_axes)
+        return jax.vmap(_pass_again, in_axes=in_axes)(Q, out, *mask)
 
-    return lax.cond(needed, again, lambda out: out, out), 0
+    return [lax.cond(needed, again, lambda out: out, out), needed], [0, None]
 
 
 def _second_pass_jvp(primals, tangents):
-    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
-    _, t_out = jax.jvp(_second_pass, primals, tangents)
-    return second_pass(*primals), t_out
+    Q, w, out, *mask = primals
+    t_Q, _, t_out = (ad.instantiate_zeros(t) for t in tangents[:3])
+    new, needed = _second_pass_p.bind(*primals)
+
+    def again(t_Q, t_out):
+        def one(Q, out):
+            return _pass_again(Q, out, *mask)
+
+        return jax.jvp(one, (Q, out), (t_Q, t_out))[1]
+
+    # A `where`, not a `cond`: reverse mode through a `cond` inside a scan keeps
+    # the basis, an operand of its branch, once per step.
+    t_new = jnp.where(needed, again(t_Q, t_out), t_out)
+    zero = ad.Zero(ShapedArray((), jax.dtypes.float0))
+    return [new, needed], [t_new, zero]
+
+
+def _second_pass_abstract(Q, w, out, *mask):
+    # The decision is a scalar, placed (replicated) on `out`'s mesh.
+    decision = ShapedArray((), jnp.bool_, sharding=out.sharding.update(spec=P()))
+    return [out, decision]
 
 
 _second_pass_p = jax.extend.core.Primitive("krylovjax_second_gram_schmidt_pass")
+_second_pass_p.multiple_results = True
 _second_pass_p.def_impl(_second_pass)
-_second_pass_p.def_abstract_eval(lambda Q, w, out: out)
-mlir.register_lowering(_second_pass_p, mlir.lower_fun(_second_pass, False))
+_second_pass_p.def_abstract_eval(_second_pass_abstract)
+mlir.register_lowering(_second_pass_p, mlir.lower_fun(_second_pass, True))
 batching.primitive_batchers[_second_pass_p] = _second_pass_batched
 ad.primitive_jvps[_second_pass_p] = _second_pass_jvp
 
