@@ -291,9 +291,9 @@ def funm_action(
     accurate than $k$ single-vector runs, for an `eigh` (or `f`) of size $d k$
     (and, on a CPU, more time: see the docs' page on bases). Columns that
     deflate (a repeated, zero or invariant column) give finite values and
-    derivatives, and a zero block gives zeros. The block methods are
-    differentiated by JAX through their scan in both modes (`adjoint` is for the
-    single-vector rules), and take no `tol` (`jax.vmap` over the columns does).
+    derivatives, and a zero block gives zeros. `adjoint` is passed on to the
+    block methods (whose default rule keeps memory linear in `d` in reverse
+    mode too), and they take no `tol` (`jax.vmap` over the columns does).
     `"chebyshev"` computes each column's action, batched.
 
     **Breakdown.** When the Krylov space is invariant after $k < d$ vectors, the
@@ -405,7 +405,8 @@ def funm_action(
         # Imported here: `_block` builds on this module's small-matrix functions.
         from ._block import block_action
 
-        return block_action(f, A, b, d, method=method, reorthogonalize=reorthogonalize)
+        options = {"reorthogonalize": reorthogonalize, "adjoint": adjoint}
+        return block_action(f, A, b, d, method=method, **options)
     # The decomposition checks its arguments again; this names `funm_action`.
     operator, b_promoted, d = check_problem(
         A, b, d, reorthogonalize, adjoint, fn_name, vector="b"

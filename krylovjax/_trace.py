@@ -343,11 +343,10 @@ def trace_funm(
         by block Gauss quadrature from [`krylovjax.block_lanczos`][] at depth
         `d` (`d` products with the `block_size` columns: the same $m d$ products
         with $A$; `d * block_size <= n`). The terms of the standard error are
-        then the blocks'. Block Lanczos is differentiated by JAX through its
-        scan (`adjoint` applies to single-vector runs), and its small matrices
-        are `(d b, d b)`, so its `eigh` costs $b^3$ times more than that of a
-        single probe: see the docs' page on bases for when blocks pay. It takes
-        no `tol`. `None` (default): one Lanczos run per probe.
+        then the blocks'. `adjoint` is passed on to block Lanczos. Its small
+        matrices are `(d b, d b)`, so its `eigh` costs $b^3$ times more than that
+        of a single probe: see the docs' page on bases for when blocks pay. It
+        takes no `tol`. `None` (default): one Lanczos run per probe.
     - `return_info`: also return a [`krylovjax.TraceInfo`][] (standard error,
         rank of the sketch, products used, and with `tol` the products made and
         the quadratures' error estimate).
@@ -462,7 +461,7 @@ def trace_funm(
         probes = _draw(key, sampler, num_probes, n, real).astype(dtype)
         blocks = probes.reshape(num_probes // block_size, block_size, n)
         terms = block_trace_terms(
-            f, A, jnp.swapaxes(blocks, 1, 2), d, reorthogonalize, fn_name
+            f, A, jnp.swapaxes(blocks, 1, 2), d, reorthogonalize, adjoint, fn_name
         ) / jnp.asarray(block_size, real)
         deflated, rank = jnp.zeros((), terms.dtype), jnp.zeros((), jnp.int32)
         spent, error = jnp.asarray(num_probes * d), jnp.zeros((), real)
