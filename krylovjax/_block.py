@@ -47,9 +47,11 @@ both modes. The rule rests on one fact: step $k$ reads the basis only up to
 block $k$, so it gives the same values when run again on the *final* basis with
 the later rows masked (`replay=True`: `_project` and `second_pass` take a row
 mask). Its tangents come from a second scan that replays each step with JAX's
-forward mode, reading the final basis (a constant of that scan) and carrying
-only the basis's tangents, filled block by block. Two places would otherwise
-keep more than a few blocks per step when reverse mode transposes that scan:
+forward mode, reading the final basis (a constant of that scan) and the step's
+product $A Q_k$ from the decomposition's outputs (`_known_product`, which
+computes only its tangent), and carrying only the basis's tangents, filled block
+by block. Two places would otherwise keep more than a few blocks per step when
+reverse mode transposes that scan:
 
 - the new block's own columns: `_columns` orthogonalises column $j$ against the
   columns made before it in the same step, whose tangents the replay cannot
@@ -64,7 +66,7 @@ Each replayed step is recomputed in the reverse pass (`jax.checkpoint`), so that
 pass keeps the final basis, the products and the carried tangents: memory
 linear in $d$. Measured in `benchmarks/bench_block.py --derivatives`: reverse
 mode faster than JAX's rules through the scan and several times leaner; forward
-mode slower (it runs the steps twice).
+mode slower (the orthogonalisation runs twice).
 
 **Quadrature** (`block_action`, `block_trace_quadrature`). With $C = E_0 R_0$
 the first block column of the identity times $R_0$, $f(A) B \approx Q f(T) C$ and
@@ -249,7 +251,7 @@ def block_lanczos(
         in forward and reverse mode. `"custom_jvp"` (default): each step is
         replayed on the final basis with its tangents, so reverse mode keeps
         $O(d b n)$ numbers (memory linear in `d`) and forms the operator's
-        gradient as one product; forward mode runs the steps twice.
+        gradient as one product; forward mode runs the orthogonalisation twice.
         `"autodiff"`: JAX differentiates the `lax.scan`, and reverse mode keeps
         the basis buffer at every step ($O(d^2 b n)$).
 
@@ -493,16 +495,42 @@ def _block(Q: Array, k: Array, b: int) -> Array:
     return lax.dynamic_slice_in_dim(Q, k * b, b)
 
 
-def _lanczos_step(operator, Q, k, B_prev, Q_prev, reorth, replay, E=None):
+@eqx.filter_custom_jvp
+def _known_product(operator, Q, U):
+    """`operator.mm(Q)` when it is known already, `U` (the replay of
+    `_lanczos_jvp`, from the decomposition's own products): only its tangent
+    is computed."""
+    return U
+
+
+@_known_product.def_jvp
+def _known_product_jvp(primals, tangents):
+    operator, Q, U = primals
+    t_operator, t_Q, _ = tangents
+    t_U = jnp.zeros_like(U) if t_Q is None else operator.mm(t_Q).astype(U.dtype)
+    products = operator_tangent(operator, tangent_or_none(t_operator), Q)
+    if products is not None:
+        t_U = t_U + products.astype(U.dtype)
+    return U, t_U
+
+
+def _product(operator, Q, E, U):
+    r"""$A Q$ (`U` when known: the replay's, see `_known_product`), plus `E` (the
+    replay's zero whose tangent is $\dot A Q$) when given."""
+    U = operator.mm(Q) if U is None else _known_product(operator, Q, U)
+    return U if E is None else U + E
+
+
+def _lanczos_step(operator, Q, k, B_prev, Q_prev, reorth, replay, E=None, U=None):
     r"""Step `k` of block Lanczos on the basis rows `Q` (filled up to block `k`,
     or, with `replay`, the final basis, read up to block `k`): the next block,
-    $\alpha_k$, $B_k$ and the block $W$ before its column pass. `E` is added
-    to the product $A Q_k$ (the replay's zero, whose tangent is $\dot A Q_k$)."""
+    $\alpha_k$, $B_k$, the block $W$ before its column pass and the product
+    $A Q_k$. For `E` and `U`, see `_product`."""
     b = B_prev.shape[0]
     passes = 2 if reorth else 1
     Qk = _block(Q, k, b)
-    U = operator.mm(Qk) if E is None else operator.mm(Qk) + E
-    W = _subtract(U, Q_prev, conj(B_prev).T)
+    product = _product(operator, Qk, E, U)
+    W = _subtract(product, Q_prev, conj(B_prev).T)
     alpha = _project(Qk, W)
     alpha = (alpha + conj(alpha).T) / 2
     W = _subtract(W, Qk, alpha)
@@ -514,37 +542,36 @@ def _lanczos_step(operator, Q, k, B_prev, Q_prev, reorth, replay, E=None):
         first = _subtract(W, Q, _project(Q, W, rows))
         W = second_pass(Q, W, first, rows)
     if replay:
-        Q_next, B = _columns_known(W, U, _block(Q, k + 1, b), passes)
+        Q_next, B = _columns_known(W, product, _block(Q, k + 1, b), passes)
     else:
-        Q_next, B = _columns(W, U, passes)
-    return Q_next, alpha, B, W
+        Q_next, B = _columns(W, product, passes)
+    return Q_next, alpha, B, W, product
 
 
-def _arnoldi_step(operator, Q, k, b, reorth, replay, E=None):
+def _arnoldi_step(operator, Q, k, b, reorth, replay, E=None, U=None):
     """Step `k` of block Arnoldi (see `_lanczos_step`): the next block, block
-    column `k` of $H$ above its subdiagonal block, $B_k$ and $W$."""
+    column `k` of $H$ above its subdiagonal block, $B_k$, $W$ and $A Q_k$."""
     d = Q.shape[0] // b - 1
     passes = 2 if reorth else 1
-    U = operator.mm(_block(Q, k, b))
-    U = U if E is None else U + E
+    product = _product(operator, _block(Q, k, b), E, U)
     rows = jnp.arange(Q.shape[0]) < (k + 1) * b if replay else None
-    W, column = U, jnp.zeros((Q.shape[0], b), U.dtype)
+    W, column = product, jnp.zeros((Q.shape[0], b), product.dtype)
     for _ in range(passes):
         # Rows (k + 1) b onwards of Q are zero (or masked): `column` is zero there.
         C = _project(Q, W, rows)
         W = _subtract(W, Q, C)
         column = column + C
     if replay:
-        Q_next, B = _columns_known(W, U, _block(Q, k + 1, b), passes)
+        Q_next, B = _columns_known(W, product, _block(Q, k + 1, b), passes)
     else:
-        Q_next, B = _columns(W, U, passes)
-    return Q_next, column[: d * b], B, W
+        Q_next, B = _columns(W, product, passes)
+    return Q_next, column[: d * b], B, W, product
 
 
 def _lanczos_scan(operator, X0, d, reorth):
-    """The basis as rows `(d b, n)` (followed by a block of zero rows), the
-    diagonal and subdiagonal blocks, the residual as rows `(b, n)` and $R_0$, by
-    one scan."""
+    """The basis as rows `(d b, n)` (followed by the block the last step made),
+    the diagonal and subdiagonal blocks, the residual as rows `(b, n)`, $R_0$
+    and the products $A Q_k$, `(d, b, n)`, by one scan."""
     n, b = X0.shape
     passes = 2 if reorth else 1
     X = X0.T
@@ -554,23 +581,23 @@ def _lanczos_scan(operator, X0, d, reorth):
 
     def step(carry, k):
         Q, B_prev, Q_prev = carry
-        Q_next, alpha, B, W = _lanczos_step(
+        Q_next, alpha, B, W, U = _lanczos_step(
             operator, Q, k, B_prev, Q_prev, reorth, replay=False
         )
         Q_k = _block(Q, k, b)
         Q = lax.dynamic_update_slice_in_dim(Q, Q_next, (k + 1) * b, 0)
-        return (Q, B, Q_k), (alpha, B, W)
+        return (Q, B, Q_k), (alpha, B, W, U)
 
     zero = jnp.zeros((b, b), X.dtype)
     carry = (Q, zero, jnp.zeros_like(X))
-    (Q, _, _), (alpha, B, W) = lax.scan(step, carry, jnp.arange(d))
-    return Q, alpha, B, W[-1], R0
+    (Q, _, _), (alpha, B, W, U) = lax.scan(step, carry, jnp.arange(d))
+    return Q, alpha, B, W[-1], R0, U
 
 
 def _arnoldi_scan(operator, X0, d, reorth):
     """The basis as rows `(d b, n)` (followed by a block of zero rows), the
     block columns of $H$ above the subdiagonal, the subdiagonal blocks, the
-    residual as rows `(b, n)` and $R_0$, by one scan."""
+    residual as rows `(b, n)`, $R_0$ and the products $A Q_k$, by one scan."""
     n, b = X0.shape
     passes = 2 if reorth else 1
     X = X0.T
@@ -578,12 +605,12 @@ def _arnoldi_scan(operator, X0, d, reorth):
     Q = jnp.pad(Q0, ((0, d * b), (0, 0)))
 
     def step(Q, k):
-        Q_next, column, B, W = _arnoldi_step(operator, Q, k, b, reorth, replay=False)
+        Q_next, column, B, W, U = _arnoldi_step(operator, Q, k, b, reorth, replay=False)
         Q = lax.dynamic_update_slice_in_dim(Q, Q_next, (k + 1) * b, 0)
-        return Q, (column, B, W)
+        return Q, (column, B, W, U)
 
-    Q, (columns, B, W) = lax.scan(step, Q, jnp.arange(d))
-    return Q, columns, B, W[-1], R0
+    Q, (columns, B, W, U) = lax.scan(step, Q, jnp.arange(d))
+    return Q, columns, B, W[-1], R0, U
 
 
 def _lanczos_forward(operator, X0, d, reorth, stop=None, *, adjoint):
@@ -595,7 +622,7 @@ def _lanczos_forward(operator, X0, d, reorth, stop=None, *, adjoint):
         out = _lanczos_decomposition(operator, X0, d=d, reorth=reorth)
     else:
         out = _lanczos_scan(operator, X0, d, reorth)
-    Q, alpha, B, W, R0 = out
+    Q, alpha, B, W, R0, _ = out
     return Q[: d * b], alpha, B[:-1], W, R0
 
 
@@ -608,7 +635,7 @@ def _arnoldi_forward(operator, X0, d, reorth, stop=None, *, adjoint):
         out = _arnoldi_decomposition(operator, X0, d=d, reorth=reorth)
     else:
         out = _arnoldi_scan(operator, X0, d, reorth)
-    Q, columns, B, W, R0 = out
+    Q, columns, B, W, R0, _ = out
     # Block column k of H is columns[k] above the diagonal and B[k] below it.
     H = jnp.transpose(columns, (1, 0, 2)).reshape(d * b, d * b)
     H = H + _subdiagonal(B[:-1])
@@ -666,7 +693,7 @@ def _lanczos_jvp(primals, tangents, *, d, reorth):
     t_operator, t_X0 = tangents
     t_operator = tangent_or_none(t_operator)
     out = _lanczos_decomposition(operator, X0, d=d, reorth=reorth)
-    Q, _, B, W, _ = out
+    Q, _, B, W, _, U = out
     b = X0.shape[1]
     t_Q, t_R0 = _first_tangents(X0, t_X0, Q, reorth)
     B_prev = jnp.concatenate([jnp.zeros_like(B[:1]), B[:-1]])
@@ -674,7 +701,7 @@ def _lanczos_jvp(primals, tangents, *, d, reorth):
 
     def body(carry, xs):
         t_Q, t_B_prev, _ = carry
-        k, B_prev, t_E = xs
+        k, B_prev, t_E, U = xs
 
         # Recomputed in the reverse pass: it then keeps nothing per step but the
         # step's index (about half the memory, at no measured cost in time).
@@ -682,18 +709,19 @@ def _lanczos_jvp(primals, tangents, *, d, reorth):
         def step(Q, B_prev, E):
             Q_prev = jnp.where(k > 0, _block(Q, jnp.maximum(k - 1, 0), b), 0)
             return _lanczos_step(
-                operator, Q, k, B_prev, Q_prev, reorth, replay=True, E=E
+                operator, Q, k, B_prev, Q_prev, reorth, replay=True, E=E, U=U
             )
 
         primals = (Q, B_prev, jnp.zeros_like(t_E))
-        t_next, t_alpha, t_B, t_W = jax.jvp(step, primals, (t_Q, t_B_prev, t_E))[1]
+        t_step = jax.jvp(step, primals, (t_Q, t_B_prev, t_E))[1]
+        t_next, t_alpha, t_B, t_W, t_U = t_step
         t_Q = lax.dynamic_update_slice_in_dim(t_Q, t_next, (k + 1) * b, 0)
-        return (t_Q, t_B, t_W), (t_alpha, t_B)
+        return (t_Q, t_B, t_W), (t_alpha, t_B, t_U)
 
     carry = (t_Q, jnp.zeros_like(B[0]), jnp.zeros_like(W))
-    xs = (jnp.arange(d), B_prev, products)
-    (t_Q, _, t_W), (t_alpha, t_B) = lax.scan(body, carry, xs)
-    return out, (t_Q, t_alpha, t_B, t_W, t_R0)
+    xs = (jnp.arange(d), B_prev, products, U)
+    (t_Q, _, t_W), (t_alpha, t_B, t_U) = lax.scan(body, carry, xs)
+    return out, (t_Q, t_alpha, t_B, t_W, t_R0, t_U)
 
 
 @_arnoldi_decomposition.def_jvp
@@ -703,27 +731,28 @@ def _arnoldi_jvp(primals, tangents, *, d, reorth):
     t_operator, t_X0 = tangents
     t_operator = tangent_or_none(t_operator)
     out = _arnoldi_decomposition(operator, X0, d=d, reorth=reorth)
-    Q, _, _, W, _ = out
+    Q, _, _, W, _, U = out
     b = X0.shape[1]
     t_Q, t_R0 = _first_tangents(X0, t_X0, Q, reorth)
     products = _operator_products(operator, t_operator, Q, d, b)
 
     def body(carry, xs):
         t_Q, _ = carry
-        k, t_E = xs
+        k, t_E, U = xs
 
         @jax.checkpoint
         def step(Q, E):
-            return _arnoldi_step(operator, Q, k, b, reorth, replay=True, E=E)
+            return _arnoldi_step(operator, Q, k, b, reorth, replay=True, E=E, U=U)
 
         primals = (Q, jnp.zeros_like(t_E))
-        t_next, t_column, t_B, t_W = jax.jvp(step, primals, (t_Q, t_E))[1]
+        t_next, t_column, t_B, t_W, t_U = jax.jvp(step, primals, (t_Q, t_E))[1]
         t_Q = lax.dynamic_update_slice_in_dim(t_Q, t_next, (k + 1) * b, 0)
-        return (t_Q, t_W), (t_column, t_B)
+        return (t_Q, t_W), (t_column, t_B, t_U)
 
     carry = (t_Q, jnp.zeros_like(W))
-    (t_Q, t_W), (t_columns, t_B) = lax.scan(body, carry, (jnp.arange(d), products))
-    return out, (t_Q, t_columns, t_B, t_W, t_R0)
+    xs = (jnp.arange(d), products, U)
+    (t_Q, t_W), (t_columns, t_B, t_U) = lax.scan(body, carry, xs)
+    return out, (t_Q, t_columns, t_B, t_W, t_R0, t_U)
 
 
 def _subdiagonal(B: Array) -> Array:
