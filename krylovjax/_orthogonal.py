@@ -469,14 +469,15 @@ def second_pass(Q: Array, w: Array, out: Array, rows: Array | None = None) -> Ar
     It is a primitive (`_second_pass_p`) for its batching rule: under `jax.vmap`
     a `cond` becomes a `select`, which would run the pass at every step. Here the
     runs of a batch decide together, one `cond` on whether any of them needs the
-    pass, which then runs for all of them. (Under two nested `vmap`s the outer
-    one selects.) The primitive also returns that decision, and its JVP rule
-    takes the pass's tangent where it was made: a `where` on the same decision,
-    which `vmap` leaves unbatched. (JAX's rule through the `cond` would, inside a
-    `vmap`, become a `select` whose inputs `vmap` wraps in `stop_gradient`, which
-    reverse mode cannot transpose when they are tangents.)"""
+    pass, which then runs for all of them: the rule binds the primitive again
+    with one more batch level, so that nested `vmap`s make one decision too. The
+    primitive also returns that decision, and its JVP rule takes the pass's
+    tangent where it was made: a `where` on the same decision, which `vmap`
+    leaves unbatched. (JAX's rule through the `cond` would, inside a `vmap`,
+    become a `select` whose inputs `vmap` wraps in `stop_gradient`, which reverse
+    mode cannot transpose when they are tangents.)"""
     operands = (Q, w, out) if rows is None else (Q, w, out, rows)
-    return _second_pass_p.bind(*operands)[0]
+    return _second_pass_p.bind(*operands, levels=())[0]
 
 
 def _rows(x: Array) -> Array:
@@ -484,6 +485,8 @@ def _rows(x: Array) -> Array:
 
 
 def _second_pass_needed(w: Array, out: Array) -> Array:
+    """Whether a row of `out` (any leading axes, batch levels included) has less
+    than `TWICE` of the norm of its row of `w`."""
     norms = jax.vmap(safe_norm)
     return jnp.any(norms(_rows(out)) < TWICE * norms(_rows(w)))
 
@@ -497,15 +500,25 @@ def _pass_again(Q: Array, out: Array, *mask: Array) -> Array:
     return typed_like(again.reshape(out.shape), out)
 
 
-def _second_pass(Q: Array, w: Array, out: Array, *mask: Array) -> list[Array]:
+def _pass_again_batched(Q: Array, out: Array, mask: list, levels: tuple) -> Array:
+    """`_pass_again` over the batch levels of `out`'s leading axes, outermost
+    first: each a pair `(Q's axis, the mask's axis)`, `0` or `None` (shared)."""
+    fn = _pass_again
+    for q_axis, mask_axis in reversed(levels):
+        in_axes = (q_axis, 0, *([mask_axis] if mask else []))
+        fn = jax.vmap(fn, in_axes=in_axes)
+    return fn(Q, out, *mask)
+
+
+def _second_pass(Q: Array, w: Array, out: Array, *mask: Array, levels) -> list[Array]:
     def again(out):
-        return _pass_again(Q, out, *mask)
+        return _pass_again_batched(Q, out, list(mask), levels)
 
     needed = _second_pass_needed(w, out)
     return [lax.cond(needed, again, lambda out: out, out), needed]
 
 
-def _second_pass_batched(args, dims):
+def _second_pass_batched(args, dims, *, levels):
     (Q, w, out, *mask), (q_dim, w_dim, out_dim, *mask_dim) = args, dims
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
 
@@ -518,28 +531,21 @@ def _second_pass_batched(args, dims):
     q_axis = None if q_dim is None else 0
     if q_dim is not None:
         Q = jnp.moveaxis(Q, q_dim, 0)
-    mask_axes = []
-    for i, dim in enumerate(mask_dim):
-        mask_axes.append(None if dim is None else 0)
-        if dim is not None:
-            mask[i] = jnp.moveaxis(mask[i], dim, 0)
-    needed = jnp.any(jax.vmap(_second_pass_needed)(w, out))
-
-    def again(out):
-        in_axes = (q_axis, 0, *mask_axes)
-        return jax.vmap(_pass_again, in_axes=in_axes)(Q, out, *mask)
-
-    return [lax.cond(needed, again, lambda out: out, out), needed], [0, None]
+    mask_axis = None
+    if mask and mask_dim[0] is not None:
+        mask, mask_axis = [jnp.moveaxis(mask[0], mask_dim[0], 0)], 0
+    levels = ((q_axis, mask_axis), *levels)
+    return _second_pass_p.bind(Q, w, out, *mask, levels=levels), [0, None]
 
 
-def _second_pass_jvp(primals, tangents):
+def _second_pass_jvp(primals, tangents, *, levels):
     Q, w, out, *mask = primals
     t_Q, _, t_out = (ad.instantiate_zeros(t) for t in tangents[:3])
-    new, needed = _second_pass_p.bind(*primals)
+    new, needed = _second_pass_p.bind(*primals, levels=levels)
 
     def again(t_Q, t_out):
         def one(Q, out):
-            return _pass_again(Q, out, *mask)
+            return _pass_again_batched(Q, out, mask, levels)
 
         return jax.jvp(one, (Q, out), (t_Q, t_out))[1]
 
@@ -550,7 +556,7 @@ def _second_pass_jvp(primals, tangents):
     return [new, needed], [t_new, zero]
 
 
-def _second_pass_abstract(Q, w, out, *mask):
+def _second_pass_abstract(Q, w, out, *mask, levels):
     # The decision is a scalar, placed (replicated) on `out`'s mesh.
     decision = ShapedArray((), jnp.bool_, sharding=out.sharding.update(spec=P()))
     return [out, decision]
