@@ -38,6 +38,14 @@ Gaussian columns (Lanczos with $f = \log$, Arnoldi with $f = \exp$ of $A/4$), ea
 with `adjoint="custom_jvp"` (the default: each step replayed on the final basis)
 and `adjoint="autodiff"` (JAX's rules through the scan), side by side: time and
 XLA's compiled temporary memory.
+
+`--batches` measures `trace_funm(probes_per_batch=k)` instead: the 64 probes'
+single-vector runs (and the 4 blocks of 16) a batch at a time, k in 64 (all at
+once, the default `None`), 32, 16 and 8, on both matrices and on the Laplacian
+plus identity of an Erdos-Renyi graph (n = 20000, 200000 random edges), value and
+value with gradient (in the dense matrix, in the BCOO entries), side by side:
+time relative to all at once, XLA's compiled temporary memory, and the largest
+difference of the outputs from all at once.
 """
 
 import argparse
@@ -260,6 +268,97 @@ def run_derivatives(n, d, dtype, timing, log):
     return records, "\n".join(lines) + "\n"
 
 
+def random_graph(n: int, edges: int, seed: int = 0) -> sparse.BCOO:
+    """The Laplacian plus identity of an Erdos-Renyi graph with `edges` random
+    edges, as BCOO (symmetric positive definite; no closed-form log-determinant)."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.integers(0, n, edges), rng.integers(0, n, edges)
+    degree = np.bincount(np.concatenate([a, b]), minlength=n)
+    rows = np.concatenate([a, b, np.arange(n)])
+    cols = np.concatenate([b, a, np.arange(n)])
+    data = np.concatenate([-np.ones(2 * edges), degree + 1.0])
+    indices = jnp.asarray(np.stack([rows, cols], axis=1))
+    return sparse.BCOO((jnp.asarray(data), indices), shape=(n, n))
+
+
+BATCHES = (None, 32, 16, 8)
+
+
+def batch_fns(A, d, dtype):
+    """`{(method, batch, mode): (fn, args)}` for `--batches`: the estimate as a
+    function of the matrix (dense) or of its entries (BCOO)."""
+    if isinstance(A, np.ndarray):
+        arg = jnp.asarray(A.astype(dtype))
+
+        def matrix(x):
+            return x
+
+    else:
+        arg, indices, shape = A.data.astype(dtype), A.indices, A.shape
+
+        def matrix(x):
+            return sparse.BCOO((x, indices), shape=shape)
+
+    fns = {}
+    for method, block in (("single", None), ("block", BLOCK)):
+        for batch in BATCHES:
+            if block is not None and batch is not None and batch < block:
+                continue
+
+            def f(x, block=block, batch=batch):
+                return krylovjax.trace_funm(
+                    jnp.log,
+                    matrix(x),
+                    KEY,
+                    d,
+                    num_probes=PROBES,
+                    block_size=block,
+                    probes_per_batch=batch,
+                )
+
+            fns[(method, batch, "value")] = (f, (arg,))
+            fns[(method, batch, "value and grad")] = (jax.value_and_grad(f), (arg,))
+    return fns
+
+
+def run_batches(cases, d, dtype, timing, log):
+    rows, records = [], {}
+    for name, A in cases:
+        log(f"batches: {name}, n = {A.shape[0]}, d = {d}, compiling and timing")
+        results = h.measure(batch_fns(A, d, dtype), outputs=True, **timing)
+        outputs = {key: r.pop("output") for key, r in results.items()}
+        for key, r in results.items():
+            method, batch, mode = key
+            first = (method, None, mode)
+            base = results[first]
+            rows.append(
+                [
+                    name,
+                    method,
+                    mode,
+                    PROBES if batch is None else batch,
+                    h.ms(r["median_s"]),
+                    h.fmt(h.ratio(r["median_s"], base["median_s"])),
+                    h.kib(r["temp_bytes"]),
+                    h.fmt(h.ratio(base["temp_bytes"], r["temp_bytes"]), ".1f"),
+                    f"{h.largest_difference(outputs[key], outputs[first]):.1e}",
+                ]
+            )
+            records[f"{name} / {method} / {batch} / {mode}"] = r
+    header = (
+        "matrix | method | mode | probes per batch | ms | time / all at once "
+        "| temp KiB | all at once temp / temp | outputs' rel. difference"
+    )
+    lines = [
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, {dtype}, "
+        f"{h.cores()} cores; tr log A from {PROBES} Rademacher probes, d = {d}; "
+        f"block: {PROBES // BLOCK} blocks of {BLOCK}",
+        "",
+        *h.table(header, rows, "lllrrrrrr"),
+    ]
+    return records, "\n".join(lines) + "\n"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few runs")
@@ -279,6 +378,11 @@ def main():
         help="the derivative rules' time and memory instead (dense matrix only)",
     )
     parser.add_argument(
+        "--batches",
+        action="store_true",
+        help="trace_funm(probes_per_batch=...)'s time and memory instead",
+    )
+    parser.add_argument(
         "--against",
         metavar="REF",
         help="also time both paths of the package at git revision REF, side by "
@@ -286,8 +390,10 @@ def main():
     )
     args = parser.parse_args()
     against = h.import_at(args.against) if args.against else None
-    if args.derivatives and args.against:
-        parser.error("--derivatives and --against do not go together")
+    if (args.derivatives or args.batches) and args.against:
+        parser.error("--derivatives and --batches do not go with --against")
+    if args.derivatives and args.batches:
+        parser.error("--derivatives and --batches do not go together")
     h.cpu_by_default()
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
@@ -300,6 +406,18 @@ def main():
         dense_n, grid = 4096, 316
     d = args.depth
     reorth = not args.no_reorthogonalize
+    if args.batches:
+        cases = [
+            ("dense", circulant(dense_n)[0]),
+            ("BCOO grid", laplacian(grid)[0]),
+            ("BCOO random", random_graph(20000, 200000)),
+        ]
+        records, markdown = run_batches(cases, d, args.dtype, timing, log)
+        print(markdown)
+        report = {"machine": h.machine_info(), "records": records}
+        h.write_results(args.out, report, markdown, stem="block_batches")
+        log(f"wrote {args.out}")
+        return
     if args.derivatives:
         records, markdown = run_derivatives(dense_n, d, args.dtype, timing, log)
         print(markdown)

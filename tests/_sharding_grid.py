@@ -55,9 +55,9 @@ equivalent:
   `b` traces at once, `jax.vmap` over `b` keys split over the devices, and
   then, where `A` is replicated, also the gradient for each key
   (`"grad_per_key"`, a `vmap` of `jax.grad`). No derivative with respect to
-  `x0`. Each estimator (and Hutchinson's with its probes in one block) runs with
-  the fewest probes it takes (`ESTIMATOR_OPTIONS`), and is compared with itself
-  on one device;
+  `x0`. Each estimator (and Hutchinson's with its probes in one block, and in
+  batches) runs with the fewest probes it takes (`ESTIMATOR_OPTIONS`), and is
+  compared with itself on one device;
 - `spectrum`: `spectrum_interval(method="lanczos")` from a key, and for a
   matrix (dense or BCOO) also `method="gershgorin"`; `x0` is the key's layout as
   for `trace_funm` (`"block"`: a `jax.vmap` over `b` keys split over the
@@ -166,10 +166,12 @@ DECOMPOSITION_ADJOINTS = ("custom_jvp", "autodiff")
 # `trace_funm`'s estimators, each with the fewest probes it takes: Hutch++ a sketch
 # of one vector, its basis and one remainder probe; Krylov-aware a sketch of one
 # vector and one remainder probe; Hutchinson also with its probes in one block
-# (block Lanczos).
+# (block Lanczos), and in batches (a full batch of two and a remainder of one, run
+# under `jax.checkpoint`).
 ESTIMATOR_OPTIONS = {
     "hutchinson": dict(num_probes=1),
     "hutchinson/block": dict(num_probes=2, block_size=2),
+    "hutchinson/batches": dict(num_probes=3, probes_per_batch=2),
     "hutch++": dict(estimator="hutch++", num_probes=3, num_sketch=1),
     "krylov-aware": dict(estimator="krylov-aware", num_probes=2, num_sketch=1),
 }

@@ -998,6 +998,13 @@ def test_trace_funm_errors():
         r"1099511627776 Lanczos bases",
     ):
         trace(jnp.log, A_ERR, key, 2, num_probes=2**40)
+    # In batches, the batch's bases: too large a batch names `probes_per_batch`.
+    with pytest.raises(
+        ValueError,
+        match=r"`trace_funm\(probes_per_batch=...\)` is too large: the batch of "
+        r"549755813888 Lanczos bases",
+    ):
+        trace(jnp.log, A_ERR, key, 2, num_probes=2**40, probes_per_batch=2**39)
 
 
 _CONCURRENT_EIGH_SCRIPT = """
