@@ -145,18 +145,20 @@ def check_output_size(
         raise ValueError(msg)
 
 
-def check_allocation(shape: tuple[int, ...], dtype: Any, arg: str, what: str) -> None:
+def check_allocation(
+    shape: tuple[int, ...], dtype: Any, arg: str, what: str, hint: str = ""
+) -> None:
     """Raise a `ValueError` naming `arg` unless an array `what` of `shape` and
     `dtype` fits in memory (the limit of `check_output_size`), before it is
     allocated: JAX allocates asynchronously, so a layer's parameters that are too
-    large would fail only when first used."""
+    large would fail only when first used. `hint`, a sentence, ends the message."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     limit, where = _memory_limit()
     if nbytes > limit:
         msg = (
             f"`{arg}` is too large: {what} of shape {shape} takes {nbytes} bytes "
             f"({_human(nbytes)}), more than the {limit} bytes ({_human(limit)}) "
-            f"{where}."
+            f"{where}.{' ' + hint if hint else ''}"
         )
         raise ValueError(msg)
 

@@ -462,13 +462,15 @@ def trace_funm(
     # before anything is traced, so that too many probes name `num_probes` (or
     # `probes_per_batch`) rather than fail in XLA's allocator.
     batch, arg = num_probes, "num_probes"
+    hint = "Run the probes in batches with `probes_per_batch`."
     if probes_per_batch is not None:
-        batch, arg = probes_per_batch, "probes_per_batch"
+        batch, arg, hint = probes_per_batch, "probes_per_batch", "Use smaller batches."
     check_allocation(
         (batch, n, d),
         _working_dtype(dtype),
         f"{fn_name}({arg}=...)",
         f"the batch of {batch} Lanczos bases (one ({n}, {d}) basis per probe)",
+        hint,
     )
     if estimator == "krylov-aware":
         check_allocation(

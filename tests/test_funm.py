@@ -995,7 +995,7 @@ def test_trace_funm_errors():
     with pytest.raises(
         ValueError,
         match=r"`trace_funm\(num_probes=...\)` is too large: the batch of "
-        r"1099511627776 Lanczos bases",
+        r"1099511627776 Lanczos bases.*in batches with `probes_per_batch`",
     ):
         trace(jnp.log, A_ERR, key, 2, num_probes=2**40)
     # In batches, the batch's bases: too large a batch names `probes_per_batch`.
