@@ -406,23 +406,21 @@ def main():
         dense_n, grid = 4096, 316
     d = args.depth
     reorth = not args.no_reorthogonalize
-    if args.batches:
-        cases = [
-            ("dense", circulant(dense_n)[0]),
-            ("BCOO grid", laplacian(grid)[0]),
-            ("BCOO random", random_graph(20000, 200000)),
-        ]
-        records, markdown = run_batches(cases, d, args.dtype, timing, log)
+    if args.batches or args.derivatives:
+        if args.batches:
+            cases = [
+                ("dense", circulant(dense_n)[0]),
+                ("BCOO grid", laplacian(grid)[0]),
+                ("BCOO random", random_graph(20000, 200000)),
+            ]
+            records, markdown = run_batches(cases, d, args.dtype, timing, log)
+            stem = "block_batches"
+        else:
+            records, markdown = run_derivatives(dense_n, d, args.dtype, timing, log)
+            stem = "block_derivatives"
         print(markdown)
         report = {"machine": h.machine_info(), "records": records}
-        h.write_results(args.out, report, markdown, stem="block_batches")
-        log(f"wrote {args.out}")
-        return
-    if args.derivatives:
-        records, markdown = run_derivatives(dense_n, d, args.dtype, timing, log)
-        print(markdown)
-        report = {"machine": h.machine_info(), "records": records}
-        h.write_results(args.out, report, markdown, stem="block_derivatives")
+        h.write_results(args.out, report, markdown, stem=stem)
         log(f"wrote {args.out}")
         return
     records = []
