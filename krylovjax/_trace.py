@@ -2,7 +2,8 @@ r"""`trace_funm`: stochastic estimates of $\operatorname{tr} f(A)$, from Lanczos
 quadrature, by three estimators.
 
 - Hutchinson: $\frac1m \sum_i \|z_i\|^2\, e_0^\top f(T_i)\, e_0$, probes $z_i$
-  with Lanczos quadrature, the probes batched by `jax.vmap`.
+  with Lanczos quadrature, the probes batched by `jax.vmap` (with
+  `probes_per_batch`, a `lax.map` over checkpointed batches: `_in_batches`).
 - Hutch++ (Meyer, Musco, Musco and Woodruff, 2021) applied to $f(A)$: $Q$ an
   orthonormal basis of $f(A)\, S$ for a Gaussian sketch $S$ (Lanczos actions),
   $\operatorname{tr}(Q^\top f(A)\, Q)$ by one quadrature per column, and Hutchinson
