@@ -558,7 +558,8 @@ class Tolerance(AbstractStop):
             newer, older = state.differences[0], state.differences[1]
             ratio = jnp.maximum(_ratio(difference, newer), _ratio(newer, older))
             tail = difference * ratio / jnp.where(ratio < 1, 1 - ratio, 1)
-            estimate = jnp.where((state.count >= 2) & (ratio < 1), tail, jnp.inf)
+            inf = jnp.asarray(jnp.inf, tail.dtype)
+            estimate = jnp.where((state.count >= 2) & (ratio < 1), tail, inf)
             estimate = jnp.where(difference == 0, 0, estimate)
             new = _State(
                 coefficients=c,
@@ -669,7 +670,10 @@ def _norm(x: Array) -> Array:
 def _ratio(x: Array, y: Array) -> Array:
     """x / y, with 0 / 0 = 0 and x / 0 = inf otherwise."""
     safe = jnp.where(y == 0, 1, y)
-    return jnp.where(y == 0, jnp.where(x == 0, 0, jnp.inf), x / safe)
+    # In x's dtype: weakly typed 0 and inf would make a float64 value in 64-bit
+    # mode (which TPUs do not have) in a float32 program.
+    zero, inf = jnp.zeros((), x.dtype), jnp.asarray(jnp.inf, x.dtype)
+    return jnp.where(y == 0, jnp.where(x == 0, zero, inf), x / safe)
 
 
 def _check_tol(tol: Any, arg: str) -> float:

@@ -112,7 +112,11 @@ def spectrum_interval(
         lo, hi, real = _ritz(A, key, d, n, dtype)
     # No derivative: the interval is a hyperparameter (and `nextafter` has none).
     lo, hi = lax.stop_gradient(lo), lax.stop_gradient(hi)
-    margin = lax.stop_gradient(margin).astype(lo.dtype)
+    # A concrete margin is cast before it enters the program: as a float64 array
+    # (a Python float in 64-bit mode) it would put float64, which TPUs do not
+    # have, into a float32 program.
+    margin = margin.astype(lo.dtype) if value is None else jnp.asarray(value, lo.dtype)
+    margin = lax.stop_gradient(margin)
     size = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
     scale = jnp.where(hi > lo, hi - lo, jnp.where(size > 0, size, 1))
     lo, hi = lo - margin * scale, hi + margin * scale

@@ -287,9 +287,11 @@ def trace_funm(
         `jax.random.rademacher(key, (num_probes, n), dtype)` (`sampler="rademacher"`)
         or `jax.random.normal(key, (num_probes, n), dtype)` (`"normal"`, and
         `"sphere"`, which rescales each row to norm $\sqrt n$), with `dtype` the
-        real dtype of the operator, so the same key gives the same probes. The
-        deflated estimators split the key in two, for the sketch and for the
-        remainder.
+        real dtype of the operator, so the same key gives the same probes. (In
+        64-bit mode, the Rademacher draw of an operator in float32 or less takes
+        its uniform numbers in float32, as in the default 32-bit mode, rather
+        than in float64.) The deflated estimators split the key in two, for the
+        sketch and for the remainder.
     - `d`: the number of Lanczos steps per probe, a static Python int,
         `1 <= d <= n`; for `"krylov-aware"` also the number of blocks of the
         block Krylov space.
@@ -1075,7 +1077,14 @@ def _probe_structure(A: Any, like: Any, fn_name: str) -> tuple[int, Any]:
 
 def _draw(key: Array, sampler: str, m: int, n: int, real: Any) -> Array:
     if sampler == "rademacher":
-        return jr.rademacher(key, (m, n), real)
+        # `jax.random.rademacher`'s draw (`bernoulli`, uniform numbers below 0.5),
+        # written out with its numbers typed: in float32 (float64 for a float64
+        # operator) where it takes the default float type, float64 in 64-bit mode,
+        # which TPUs do not have, in a float32 program.
+        uniform = real if jnp.finfo(real).bits >= 32 else jnp.float32
+        zero, one, half = (jnp.asarray(x, uniform) for x in (0.0, 1.0, 0.5))
+        heads = jr.uniform(key, (m, n), uniform, minval=zero, maxval=one) < half
+        return (2 * heads.astype(real) - 1).astype(real)
     z = jr.normal(key, (m, n), real)
     if sampler == "sphere":
         norms = jnp.linalg.norm(z, axis=1, keepdims=True)

@@ -30,10 +30,15 @@ each method also meets every kind with a vector and with a block (what a program
 holds depends on each of these, not on their combination). `iterate` with each
 adjoint, forward, grad and (but for `"custom_vjp"`) jvp. The three layers of
 `krylovjax.nn` (`KrylovGraphConv` with a dense and a BCOO adjacency), forward and
-`equinox.filter_grad` of a loss. For `rocm` and `tpu`: a representative subset
+`equinox.filter_grad` of a loss. The matrix functions and readouts: the gradient
+of `trace_funm` (also in batches), `funm_action` with `tol`, `krylov_readout` and
+`polynomial_action` (Chebyshev), and `spectrum_interval` by Lanczos; those that
+solve small eigenproblems may hold the platform's symmetric eigensolver (cuSOLVER's
+or hipSOLVER's `syevd`, the TPU's `Eigh`) and nothing else. For `rocm` and `tpu`:
+a representative subset
 (`SUBSET`) that covers every method, adjoint, operator family, block layout and
-transform at least once, each of `iterate`'s adjoints and the gradient of each
-layer.
+transform at least once, each of `iterate`'s adjoints, the gradient of each
+layer, and `trace_funm` and `funm_action` with `tol`.
 
 Also: controls that the checks can fail (exporting for `cpu` gives LAPACK targets, a
 float64 program shows float64 types); one artifact lowered for all four platforms at
@@ -84,6 +89,12 @@ LU_TARGETS = {
     "cuda": {"cusolver_getrf_ffi", "cu_lu_pivots_to_permutation"},
     "rocm": {"hipsolver_getrf_ffi", "hip_lu_pivots_to_permutation"},
     "tpu": {"LuDecomposition"},
+}
+# The symmetric eigensolver of the small matrices of Lanczos quadrature.
+EIGH_TARGETS = {
+    "cuda": {"cusolver_syevd_ffi"},
+    "rocm": {"hipsolver_syevd_ffi"},
+    "tpu": {"Eigh"},
 }
 # Names of custom calls that exist only in the CPU runtime.
 CPU_SPECIFIC = re.compile(
@@ -252,6 +263,54 @@ def _layer_program(layer, transform):
     raise ValueError(transform)
 
 
+# The matrix functions, readouts and the spectrum interval, on a float32 SPD matrix
+# of size FUNCTION_N: the gradient of a scalar of each (the interval: its value).
+FUNCTION_N = 6
+FUNCTIONS = {
+    "trace_funm": lambda A: krylovjax.trace_funm(
+        jnp.log, A, jr.key(0), 3, num_probes=4
+    ),
+    "trace_funm_batches": lambda A: krylovjax.trace_funm(
+        jnp.log, A, jr.key(0), 3, num_probes=5, probes_per_batch=2, sampler="normal"
+    ),
+    "funm_action_tol": lambda A: scalar_loss(
+        krylovjax.funm_action(
+            jnp.exp, A, jnp.ones(FUNCTION_N, DTYPE), 4, method="lanczos", tol=1e-4
+        )
+    ),
+    "krylov_readout": lambda A: scalar_loss(
+        krylovjax.krylov_readout(
+            A, jnp.ones(FUNCTION_N, DTYPE), 5, jnp.ones((2, FUNCTION_N), DTYPE)
+        )
+    ),
+    "polynomial_action": lambda A: scalar_loss(
+        krylovjax.polynomial_action(
+            A,
+            jnp.ones(FUNCTION_N, DTYPE),
+            jnp.ones(5, DTYPE),
+            basis=krylovjax.Chebyshev(),
+        )
+    ),
+    "spectrum_interval": lambda A: krylovjax.spectrum_interval(
+        A, method="lanczos", key=jr.key(0), d=3
+    ),
+}
+# Those that hold an eigensolver (the others hold no custom call).
+EIGH_FUNCTIONS = (
+    "trace_funm",
+    "trace_funm_batches",
+    "funm_action_tol",
+    "spectrum_interval",
+)
+
+
+def _function_program(name, transform):
+    n = FUNCTION_N
+    A = jnp.asarray(np.eye(n) * 2 + np.full((n, n), 0.1), DTYPE)
+    fn = FUNCTIONS[name]
+    return (fn if transform == "forward" else jax.grad(fn)), (A,)
+
+
 # -------------------------------------------------------------------- cases
 
 
@@ -302,7 +361,14 @@ def _layer_cases():
     return [("layer", layer, t) for layer in LAYERS for t in ("forward", "grad")]
 
 
-ALL_CASES = _krylov_cases() + _iterate_cases() + _layer_cases()
+def _function_cases():
+    return [
+        ("function", name, "forward" if name == "spectrum_interval" else "grad")
+        for name in FUNCTIONS
+    ]
+
+
+ALL_CASES = _krylov_cases() + _iterate_cases() + _layer_cases() + _function_cases()
 
 # What `rocm` and `tpu` are checked on: each method and adjoint, each operator
 # family (dense, BCOO, callable), vector and block, every transform, each of
@@ -321,6 +387,7 @@ SUBSET = [
     ("iterate", "custom_vjp", "grad"),
     ("iterate", "autodiff", "forward"),
 ] + [("layer", layer, "grad") for layer in LAYERS]
+SUBSET += [("function", "trace_funm", "grad"), ("function", "funm_action_tol", "grad")]
 assert set(SUBSET) <= set(ALL_CASES)
 
 
@@ -339,10 +406,14 @@ def _program(case):
         return _krylov_program(*rest)
     if family == "iterate":
         return _iterate_program(*rest)
+    if family == "function":
+        return _function_program(*rest)
     return _layer_program(*rest)
 
 
 def _allowed_targets(case):
+    if case[0] == "function" and case[1] in EIGH_FUNCTIONS:
+        return EIGH_TARGETS
     return LU_TARGETS if case[:2] == ("layer", "state_space") else NO_TARGETS
 
 

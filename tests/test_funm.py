@@ -242,7 +242,8 @@ def test_half_precision():
     worked in float32: rounding T to bfloat16 (spacing 1/16 near 11) alone costs 1.5
     epsilons here. The trace estimate of log for float16 and bfloat16 matrices: the
     quadratures run in float32 and the estimate comes back in the matrix's dtype,
-    within one epsilon of the same estimator in NumPy. One program."""
+    within one epsilon of the same estimator in NumPy with the same probes. One
+    program."""
     S, key, m = spd(8, low=10.0, high=12.0), jr.key(1), 4
     A = jnp.asarray(S, jnp.bfloat16)
     b = jnp.asarray(vector(8), jnp.bfloat16)
@@ -263,7 +264,10 @@ def test_half_precision():
     for y in actions:
         assert y.dtype == jnp.bfloat16
         assert relative_error(np.asarray(y, np.float64), expected) < eps
-    Z = probes(key, "rademacher", m, 8)
+    # A half-precision matrix's Rademacher probes are drawn as in 32-bit mode
+    # (uniform numbers in float32; the docstring's note), here in 64-bit mode.
+    with jax.enable_x64(False):
+        Z = np.asarray(jr.rademacher(key, (m, 8), jnp.float32), np.float64)
     for dtype, estimate in zip(dtypes, traces, strict=True):
         M = sym_funm(np.asarray(jnp.asarray(S, dtype), np.float64), np.log)
         same_probes = np.mean(np.einsum("mi,ij,mj->m", Z, M, Z))
