@@ -471,7 +471,8 @@ def funm_action(
     y = y.astype(_result_dtype(b_promoted.dtype, coefficients.dtype))
     if estimate is None or tol is None:
         return y
-    betas = lax.stop_gradient(jnp.concatenate([betas, jnp.zeros_like(betas[:1])]))
+    # A zero after the last (`betas` is empty at d = 1).
+    betas = lax.stop_gradient(jnp.pad(betas, (0, 1)))
     size = lax.stop_gradient(_norm(coefficients))
     info = FunmInfo(
         error=lax.stop_gradient(estimate * dec.norm),
@@ -907,9 +908,10 @@ def _matrix_function_e0(f: Callable, H: Array) -> Array:
     into `nan` in the visible block too. Derivatives reach the visible block only,
     as they would have (the decomposition's tangents vanish beyond it)."""
     broken = jnp.cumsum((jnp.diagonal(H, -1) == 0).astype(jnp.int32)) > 0
-    # Zeros like `H`'s entries, not fresh ones: under a `vmap` over vectors split
-    # over an explicit mesh, an array on no mesh does not join them.
-    visible = ~jnp.concatenate([jnp.zeros_like(broken[:1]), broken])
+    # Padded with `False`, not joined to fresh zeros (under a `vmap` over vectors
+    # split over an explicit mesh, an array on no mesh does not join `broken`) nor
+    # to `broken[:1]` (empty at d = 1).
+    visible = ~jnp.pad(broken, (1, 0))
     block = jnp.where(visible[:, None] & visible[None, :], H, jnp.zeros_like(H))
     c = _hidden_point(f, lax.stop_gradient(block))
     hidden = jnp.where(visible, jnp.zeros_like(jnp.diagonal(H)), c)

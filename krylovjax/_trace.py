@@ -602,10 +602,10 @@ class _Runs(eqx.Module):
         """The steps each run made: all `d`, or up to the one that ended it."""
         if self.tol is None:
             return jnp.full(off_diagonal.shape[:1], self.d, jnp.int32)
-        # Zeros like the entries (not fresh ones): under a `vmap` over keys split
-        # over an explicit mesh, an array on no mesh does not join them.
-        zero = jnp.zeros_like(off_diagonal[:, :1])
-        betas = lax.stop_gradient(jnp.concatenate([off_diagonal, zero], axis=1))
+        # A zero after the last, padded (a fresh array would be on no mesh, which
+        # under a `vmap` over keys split over an explicit mesh does not join the
+        # entries; and `off_diagonal[:, :1]` is empty at d = 1).
+        betas = lax.stop_gradient(jnp.pad(off_diagonal, ((0, 0), (0, 1))))
         return (jax.vmap(last_step)(betas) + 1).astype(jnp.int32)
 
     def quadratures(

@@ -488,6 +488,36 @@ def test_closed_form_time_derivative():
         np.testing.assert_allclose(grad, expected @ np.asarray(c), rtol=1e-10)
 
 
+def test_depth_one_is_the_rayleigh_quotient():
+    r"""At d = 1 both methods give $f(\rho)\, b$ with $\rho = b^\top A b / b^\top b$
+    (with `tol` too, which then uses that depth), and the gradient of
+    $c^\top y$ in $A$ is $f'(\rho)\, (c^\top b)\, b b^\top / b^\top b$: a closed
+    form. Arnoldi on a non-normal matrix. d = 1 failed at trace time for Arnoldi
+    and for Lanczos with `tol`."""
+    matrices = {"lanczos": jnp.asarray(spd(N)), "arnoldi": jnp.asarray(general())}
+    b, c = jnp.asarray(vector()), jnp.asarray(vector(seed=4))
+
+    @jax.jit
+    def run(matrices):
+        out = {}
+        for method, A in matrices.items():
+            for tol in (None, 1e-8):
+
+                def y(A, method=method, tol=tol):
+                    y = krylovjax.funm_action(jnp.exp, A, b, 1, method=method, tol=tol)
+                    return y if tol is None else y[0]
+
+                out[method, tol is None] = (y(A), jax.grad(lambda A, y=y: y(A) @ c)(A))
+        return out
+
+    for (method, _), (value, grad) in run(matrices).items():
+        A, b_np, c_np = (np.asarray(v) for v in (matrices[method], b, c))
+        rho = b_np @ A @ b_np / (b_np @ b_np)
+        np.testing.assert_allclose(value, np.exp(rho) * b_np, rtol=1e-13)
+        want = np.exp(rho) * (c_np @ b_np) * np.outer(b_np, b_np) / (b_np @ b_np)
+        np.testing.assert_allclose(grad, want, rtol=1e-12, atol=1e-14)
+
+
 def test_vmap_under_jit():
     """A batch of times and vectors, and the gradient for each."""
     S = jnp.asarray(spd())

@@ -136,6 +136,43 @@ def test_derivatives_and_closed_form():
     assert int(info.products_made) == 4 * 3
 
 
+def test_depth_one():
+    """At d = 1 (one product per run), `tol` has only that depth to choose: each
+    estimator's value and gradient are those without `tol`, and every run makes
+    its one product. d = 1 with `tol` failed at trace time."""
+    A = jnp.diag(jnp.arange(1.0, 9.0, dtype=jnp.float64))
+    estimators = ("hutchinson", "hutch++", "krylov-aware")
+
+    @jax.jit
+    def run(A):
+        out = {}
+        for estimator in estimators:
+            for tol in (None, 1e-3):
+
+                def f(A, estimator=estimator, tol=tol):
+                    return krylovjax.trace_funm(
+                        jnp.log,
+                        A,
+                        jr.key(0),
+                        1,
+                        num_probes=3,
+                        estimator=estimator,
+                        tol=tol,
+                        return_info=True,
+                    )
+
+                out[estimator, tol is None] = jax.value_and_grad(f, has_aux=True)(A)
+        return out
+
+    out = run(A)
+    for estimator in estimators:
+        (value, info), grad = out[estimator, False]
+        (want, _), want_grad = out[estimator, True]
+        np.testing.assert_allclose(value, want, rtol=1e-14, err_msg=estimator)
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-13, atol=1e-15)
+        assert int(info.products_made) == info.num_products, estimator
+
+
 @pytest.mark.parametrize("tol", [0.0, 1.0, -1e-3, "1e-6", True])
 def test_tol_errors(tol):
     A = jnp.eye(4) * 2.0
