@@ -219,7 +219,12 @@ class Rows(_Readout):
     def piece(self, params, x):
         if callable(params):
             return params(x)
-        return params @ x.astype(params.dtype)
+        x = x.astype(params.dtype)
+        if x.ndim > 2:
+            # C reads axis 0, as of a block (`@` would contract axis -2).
+            y = params @ x.reshape(x.shape[0], -1)
+            return y.reshape(params.shape[0], *x.shape[1:])
+        return params @ x
 
     def put(self, out, k, piece):
         return lax.dynamic_update_index_in_dim(out, piece.astype(out.dtype), k, 0)
@@ -958,6 +963,13 @@ def _as_readout_matrix(C: Any, x0: Array, fn_name: str) -> Any:
                 f"{out}."
             )
             raise TypeError(msg)
+        if not jnp.issubdtype(out.dtype, jnp.inexact):
+            # A linear map of floating-point vectors has floating-point values.
+            msg = (
+                f"`{arg}` must be a linear callable with floating-point or complex "
+                f"values; it returned {out.dtype}."
+            )
+            raise TypeError(msg)
         check_linear(fn, x0, arg)
         return fn
     msg = (
@@ -1008,9 +1020,12 @@ def krylov_readout(
         `A`), floating point or complex; promoted with `A` as in `krylov`.
     - `d`: the number of vectors read out, a static `int >= 1`.
     - `C`: the readout: a `(p, n)` matrix (a JAX or NumPy array, or a BCOO matrix;
-        promoted with `x0`'s dtype), so that each readout is `C @ x_k`; or a linear
+        promoted with `x0`'s dtype), so that each readout is `C @ x_k` (contracting
+        the first axis of $x_k$, of length n, whatever its shape); or a linear
         callable mapping arrays like `x0` to an array with at least one axis (a
-        nonlinear or affine one raises a `TypeError`).
+        nonlinear or affine one raises a `TypeError`, and so does one with integer
+        values; the test is by derivatives, so a map whose derivative JAX takes to
+        be zero, such as `jnp.round`, passes it).
     - `basis`: `None` (the monomial basis) or a polynomial basis such as
         [`krylovjax.Chebyshev`][], as in `krylov`.
     - `layout`: `"columns"` (default) puts the new axis of length $d$ after the
@@ -1020,7 +1035,9 @@ def krylov_readout(
         working ones (about six: the adjoint, its update, the output's cotangent
         and the vector being recomputed), a static `int >= 0`; values of $d - 1$
         or more store every vector (the memory of `C @ krylov(...)`, and its
-        time), `0` keeps only `x0` and recomputes each vector from it. `None`
+        time), `0` keeps only `x0` and recomputes each vector from it ($d(d-1)/2$
+        products, from a schedule of as many entries, 8 bytes each, in the
+        compiled program: for small $d$). `None`
         (default): every vector while the $d$ vectors take at most 256 MiB;
         else as many as 256 MiB hold, at least 2 and at most
         $2\lceil\sqrt d\,\rceil - 1$ (for vectors of 512 MiB at $d = 16$:

@@ -365,6 +365,24 @@ def test_sparse_readout_matrix_and_rows_layout():
     assert got.dtype == jnp.float64
 
 
+def test_matrix_readout_of_arrays_reads_their_first_axis():
+    """For a callable `A` on `(n, n, 2)` arrays, a `(p, n)` matrix `C`, dense or
+    BCOO, contracts each vector's first axis, as for a block (`C @ x` alone
+    contracted axis -2: a wrong value when that axis was n long too)."""
+    rng = np.random.default_rng(0)
+    M = jnp.asarray(rng.normal(size=(3, 3))) / 2
+    x0 = jnp.asarray(rng.normal(size=(3, 3, 2)))
+    C = jnp.asarray(rng.normal(size=(4, 3)))
+
+    def A(v):
+        return jnp.einsum("ij,j...->i...", M, v)
+
+    want = jnp.einsum("pn,nd...->pd...", C, krylovjax.krylov(A, x0, 5))
+    for readout in (C, sparse.BCOO.fromdense(C)):
+        got = krylovjax.krylov_readout(A, x0, 5, readout)
+        np.testing.assert_allclose(got, want, rtol=1e-13)
+
+
 def test_reverse_pass_memory():
     # The d vectors take 512 MiB, so by default the reverse pass keeps
     # 2 sqrt(d) - 1 = 31 of them: checkpoints every 13 vectors and a segment's,
@@ -428,6 +446,7 @@ X3 = jnp.ones(3)
         ("C", "krylov_readout(C=...)` must be a (p, 3) matrix"),
         (lambda x: jnp.sum(x), "krylov_readout(C=...)"),
         (lambda x: x**2, "krylov_readout(C=...)"),
+        (lambda x: (10 * x).astype(jnp.int32), "with floating-point or complex"),
     ],
 )
 def test_readout_matrix_errors(C, match):
