@@ -1000,9 +1000,14 @@ def _eigh_seen(T: Array, C: Array) -> tuple[Array, Array]:
     eigenvectors of such a repeated eigenvalue to rounding) replaced by the
     visible one of largest weight, as `_funm._eigh` does."""
     lam, V = eigh_one_at_a_time(T)
-    weights = jnp.sqrt(jnp.sum(jnp.abs(conj(V).T @ C) ** 2, axis=1))
-    weights = lax.stop_gradient(weights)
-    size = lax.stop_gradient(jnp.sqrt(jnp.sum(jnp.abs(C) ** 2)))
+    # C scaled to a largest entry of 1 first: the sums of squares of a C near the
+    # dtype's range (entries below 1e-19 or above 1e19 in float32) under- or
+    # overflowed, and every eigenvalue was hidden.
+    C = lax.stop_gradient(C)
+    top = jnp.max(jnp.abs(C))
+    C = C / jnp.where(top > 0, top, jnp.ones_like(top)).astype(C.dtype)
+    weights = jnp.sqrt(jnp.sum(jnp.abs(conj(lax.stop_gradient(V)).T @ C) ** 2, axis=1))
+    size = jnp.sqrt(jnp.sum(jnp.abs(C) ** 2))
     hidden = weights <= BREAKDOWN * jnp.finfo(lam.dtype).eps * size
     seen = lam[jnp.argmax(weights)]
     return jnp.where(hidden, seen, lam), V

@@ -517,6 +517,32 @@ def test_trace_quadrature_exactness():
     np.testing.assert_allclose(one, single, rtol=1e-12)
 
 
+def test_lanczos_action_of_a_tiny_or_huge_block():
+    """`f(A) B` is linear in `B`: at entries of 1e-20 and 1e20 in float32 (whose
+    sums of squares under- and overflow) the block Lanczos action, and its
+    gradient in `A`, are those of the unit block, scaled. Both were wrong: every
+    eigenvalue of T was taken as unseen by the block."""
+    A = jnp.diag(jnp.arange(1.0, 5.0, dtype=jnp.float32))
+    B = jnp.asarray([[1, 0], [0, 1], [1, 0], [0, 1]], jnp.float32)
+
+    @jax.jit
+    def run(A):
+        def y(A, s):
+            b = jnp.asarray(s, jnp.float32) * B
+            return krylovjax.funm_action(jnp.log, A, b, 2, method="lanczos") / s
+
+        grad = jax.grad(lambda A, s: jnp.sum(y(A, s)))
+        return [(y(A, s), grad(A, s)) for s in (1.0, 1e-20, 1e20)]
+
+    (want, want_grad), *scaled = run(A)
+    np.testing.assert_allclose(
+        want, np.log(np.arange(1.0, 5.0))[:, None] * np.asarray(B), atol=1e-6
+    )
+    for value, grad in scaled:
+        np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_arnoldi_action():
     """`funm_action` of a block with method="arnoldi": f(H) E_0 R_0 for a matrix
     function f. At d b = n the closed form (A + t I)^{-1} B for `inv` of H + t I,
