@@ -157,6 +157,24 @@ def test_maximum_depth_reached_and_breakdown():
         np.testing.assert_allclose(got, fn(np.diag(A)) * b_inv, rtol=1e-12, atol=1e-15)
 
 
+def test_large_values_in_float32():
+    """`exp` of eigenvalues from 30 to 50 in float32: values up to 5e21, whose
+    squares overflow. The depth chosen meets the tolerance (true error below it)
+    with a finite error estimate. Before, the norm of the coefficients was
+    infinite and every tolerance was met at the first check (depth 2, error 93%)."""
+    n, tol = 40, 1e-5
+    lam = np.linspace(30.0, 50.0, n)
+    b = np.random.default_rng(0).normal(size=n)
+    A32, b32 = jnp.diag(jnp.asarray(lam, jnp.float32)), jnp.asarray(b, jnp.float32)
+    y, info = jax.jit(
+        lambda A, b: krylovjax.funm_action(jnp.exp, A, b, 30, method="lanczos", tol=tol)
+    )(A32, b32)
+    want = np.exp(lam) * b
+    error = np.linalg.norm(np.asarray(y, np.float64) - want) / np.linalg.norm(want)
+    assert error < tol and bool(info.converged), (error, info)
+    assert np.isfinite(float(info.error)) and 2 < int(info.depth) < 30, info
+
+
 def resolvent(shift, H):
     """(shift I - H)^{-1}: a matrix function cheaper to compile than `expm`."""
     eye = jnp.eye(H.shape[0], dtype=H.dtype)
