@@ -93,7 +93,13 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Inexact
 
-from ._checks import as_array, check_choice, check_depth, check_output_size
+from ._checks import (
+    as_array,
+    check_choice,
+    check_depth,
+    check_output_size,
+    standard_result_type,
+)
 from ._funm import (
     _MATRIX_FUNCTION_HINT,
     _check_callable,
@@ -951,8 +957,10 @@ def _quadrature_value(fn: Callable, T: Array, C: Array, dtype: Any) -> Array:
     if not jnp.iscomplexobj(fn(jnp.diagonal(T).real)):
         # tr(C^H f(T) C) is real for a Hermitian T and a real f.
         out = jnp.real(out)
-    real = jnp.finfo(dtype).dtype
-    return out.astype(dtype if jnp.iscomplexobj(out) else real)
+    if jnp.iscomplexobj(out):
+        # A complex f (`log` of an indefinite A) keeps its imaginary part.
+        return out.astype(standard_result_type(dtype, out.dtype))
+    return out.astype(jnp.finfo(dtype).dtype)
 
 
 def _quadrature_setup(f, A, B, d, reorthogonalize, adjoint, fn_name, block):
@@ -990,7 +998,7 @@ def _funm_columns(fn: Callable, T: Array, C: Array) -> Array:
 
 
 def _common(values: Array, V: Array) -> Any:
-    return jnp.result_type(values.dtype, V.dtype)
+    return standard_result_type(values.dtype, V.dtype)
 
 
 def _eigh_seen(T: Array, C: Array) -> tuple[Array, Array]:

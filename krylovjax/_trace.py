@@ -78,7 +78,13 @@ from ._funm import (
 )
 from ._lanczos import lanczos_in_working_dtype, lanczos_with_stop
 from ._operator import AbstractOperator
-from ._orthogonal import Adjoint, check_problem, last_step, operator_tangent
+from ._orthogonal import (
+    Adjoint,
+    check_problem,
+    last_step,
+    operator_tangent,
+    safe_norm,
+)
 from ._rules import cotangent_like, fold_batch, tangent_or_none
 from ._sharding import auto_types, explicit_mesh, on_common_mesh
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
@@ -494,9 +500,8 @@ def trace_funm(
             return block_trace_terms(f, A, Z, d, reorthogonalize, adjoint, fn_name)
 
         per_batch = None if probes_per_batch is None else probes_per_batch // block_size
-        terms = _in_batches(
-            block_terms, jnp.swapaxes(blocks, 1, 2), per_batch
-        ) / jnp.asarray(block_size, real)
+        terms = _in_batches(block_terms, jnp.swapaxes(blocks, 1, 2), per_batch)
+        terms = terms / jnp.asarray(block_size, terms.dtype)
         deflated, rank = jnp.zeros((), terms.dtype), jnp.zeros((), jnp.int32)
         spent, error = jnp.asarray(num_probes * d), jnp.zeros((), real)
     elif estimator == "hutchinson":
@@ -802,6 +807,12 @@ def _orthonormal_rows(Y: Array, previous: Array) -> Array:
         # No rows (a Hutch++ sketch of size 0): the loop's body could not index.
         return Y
     eps = jnp.finfo(Y.dtype).eps
+    # Each row scaled to a largest entry of 1 (a constant for the derivative),
+    # which changes neither the rows made nor their derivatives: the squares of
+    # entries above 1e19 (`exp` of eigenvalues near 45 in float32) overflowed,
+    # and the row was dropped.
+    top = lax.stop_gradient(jnp.max(jnp.abs(Y), axis=1, keepdims=True))
+    Y = Y / jnp.where(top > 0, top, jnp.ones_like(top)).astype(Y.dtype)
     lengths = jnp.sum(lax.stop_gradient(Y) ** 2, axis=1)
     for _ in range(2):
         Y = Y - (Y @ previous.T) @ previous
@@ -851,8 +862,9 @@ def _standard_error(terms: Array) -> Array:
     if m < 2:
         return jnp.asarray(jnp.inf, real)
     deviation = jnp.abs(terms - jnp.mean(terms)).astype(real)
-    variance = jnp.sum(deviation * deviation) / (m - 1)
-    return jnp.sqrt(variance / m)
+    # sqrt(sum of squares) scaled (`safe_norm`): the squares of terms above 1e19
+    # overflowed in float32.
+    return safe_norm(deviation) / jnp.sqrt(jnp.asarray(m * (m - 1), real))
 
 
 # ------------------------------------------------- the deflated trace of f(T)

@@ -651,6 +651,28 @@ def test_trace_funm_block_size():
     check_finite_differences(f, derivatives, (jnp.asarray(S),), eps=1e-6)
 
 
+def test_trace_funm_block_size_of_a_complex_function():
+    """A complex `f` (`log` of an indefinite A) with blocks keeps its imaginary
+    part, as without blocks: the estimate of `log` is that of its real part plus
+    i times that of its imaginary part, from the same probes. The block path
+    dropped the imaginary part."""
+    A = jnp.asarray(_spd()[0] - 1.5 * np.eye(8))  # eigenvalues from -1 to 2.5
+
+    def clog(x):
+        return jnp.log(x.astype(jnp.complex128))
+
+    @jax.jit
+    def run(A):
+        return [
+            krylovjax.trace_funm(f, A, jax.random.key(0), 2, num_probes=4, block_size=2)
+            for f in (clog, lambda x: jnp.real(clog(x)), lambda x: jnp.imag(clog(x)))
+        ]
+
+    value, real, imag = (np.asarray(v) for v in run(A))
+    assert value.dtype == jnp.complex128 and abs(float(imag)) > 0.1
+    np.testing.assert_allclose(value, real + 1j * imag, rtol=1e-12)
+
+
 def test_trace_funm_block_size_errors():
     S, key = np.eye(4), jax.random.key(0)
     cases = [

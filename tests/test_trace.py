@@ -345,6 +345,47 @@ def test_float32():
         np.testing.assert_allclose(value, log_det(A), rtol=1e-4, err_msg=estimator)
 
 
+def test_float32_values_whose_squares_overflow():
+    """tr exp(A) in float32 with four eigenvalues from 30 to 45 (values up to
+    3.5e19, whose squares overflow): Hutchinson's standard error and Hutch++'s
+    sketch are those of `1e-20 exp`, scaled. The standard error was `inf`, and
+    Hutch++ dropped a row of its sketch (rank 2 of 3)."""
+    n = 20
+    Q, _ = np.linalg.qr(np.random.default_rng(0).standard_normal((n, n)))
+    lam = np.concatenate([np.linspace(30.0, 45.0, 4), np.linspace(0.0, 1.0, n - 4)])
+    A = jnp.asarray((Q * lam) @ Q.T, jnp.float32)
+
+    @jax.jit
+    def run(A):
+        return {
+            (estimator, scale): krylovjax.trace_funm(
+                lambda x, s=scale: jnp.asarray(s, jnp.float32) * jnp.exp(x),
+                A,
+                jr.key(0),
+                10,
+                num_probes=12,
+                estimator=estimator,
+                return_info=True,
+            )
+            for estimator in ("hutchinson", "hutch++")
+            for scale in (1.0, 1e-20)
+        }
+
+    out = run(A)
+    for estimator in ("hutchinson", "hutch++"):
+        (value, info), (small, small_info) = out[estimator, 1.0], out[estimator, 1e-20]
+        np.testing.assert_allclose(value, 1e20 * small, rtol=1e-4, err_msg=estimator)
+        assert int(info.rank) == int(small_info.rank), estimator
+        assert np.isfinite(float(info.standard_error)), estimator
+    # (Hutch++'s remainder terms are at the rounding of the sketch's, 1e12: their
+    # standard error differs between the two scales by a few percent.)
+    info, small_info = out["hutchinson", 1.0][1], out["hutchinson", 1e-20][1]
+    np.testing.assert_allclose(
+        info.standard_error, 1e20 * small_info.standard_error, rtol=1e-4
+    )
+    assert int(out["hutch++", 1.0][1].rank) == 3
+
+
 def test_probes_keep_the_second_gram_schmidt_pass_in_float32():
     """The probes' Lanczos runs, vmapped, decide a step's second Gram-Schmidt
     pass together and take it where one of them needs it. Near an invariant
