@@ -107,6 +107,14 @@ def spectrum_interval(
         msg = f"`{NAME}(margin=...)` must be finite and >= 0; got {value}."
         raise ValueError(msg)
     if method == "gershgorin":
+        for name, given in (("n", n), ("dtype", dtype)):
+            if given is not None:
+                msg = (
+                    f"`{NAME}({name}=...)` is for `method=\"lanczos\"` with a "
+                    f"callable `A`; Gershgorin discs read a matrix, so it must be "
+                    f"None; got {given!r}."
+                )
+                raise ValueError(msg)
         lo, hi, real = _gershgorin(A)
     else:
         lo, hi, real = _ritz(A, key, d, n, dtype)

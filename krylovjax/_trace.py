@@ -384,7 +384,10 @@ def trace_funm(
     estimate is rounded to the operator's dtype at the end. Differentiable (forward
     and reverse mode) in the arrays `A` holds and those `f` closes over, also when
     a probe's Krylov space is invariant after fewer than $d$ vectors (see
-    `funm_action`'s breakdown rule) and when a sketch is rank-deficient.
+    `funm_action`'s breakdown rule) and when a sketch is rank-deficient. At such a
+    breakdown the first derivatives of a probe's term are exact, its second
+    derivatives are not (they miss the couplings to the eigenvalues outside the
+    invariant space; see `funm_action`'s breakdown paragraph).
 
     !!! Example
 

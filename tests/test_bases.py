@@ -434,6 +434,13 @@ ERRORS = [
         r"own, so it must be None; got 2\.",
     ),
     _case(
+        "gershgorin-n",
+        lambda: krylovjax.spectrum_interval(M2, n=3),
+        ValueError,
+        r"`spectrum_interval\(n=...\)` is for `method=\"lanczos\"` with a callable "
+        r"`A`; Gershgorin discs read a matrix, so it must be None; got 3\.",
+    ),
+    _case(
         "margin",
         lambda: krylovjax.spectrum_interval(M2, margin=-0.1),
         ValueError,

@@ -284,7 +284,9 @@ def test_breakdown_is_exact_with_finite_gradients():
     and the tridiagonal matrix of six steps has a repeated eigenvalue (the zero
     block after the breakdown), where JAX's own `eigh` rule divides by zero. The
     result is exact, and so is its derivative in `b` (the approximation equals
-    f(S) b for every b near it), in reverse and forward mode."""
+    f(S) b for every b near it), in reverse and forward mode; and the derivative
+    in `S` of the quadratic form b^T log(S) b (symmetrised, Lanczos reading S as
+    symmetric) is the Daleckii-Krein closed form."""
     rng = np.random.default_rng(3)
     Q, _ = np.linalg.qr(rng.normal(size=(8, 8)))
     S = (Q * np.array([1.0, 1, 1, 2, 2, 4, 4, 4])) @ Q.T
@@ -308,9 +310,20 @@ def test_breakdown_is_exact_with_finite_gradients():
         _, tangent = jax.jvp(lambda b: loss(S, b), (b,), (c,))
         dec = krylovjax.lanczos(S, b, 6)
         naive_grads = jax.grad(naive, argnums=(0, 1))(dec.diagonal, dec.off_diagonal)
-        return value, g_S, g_b, tangent, naive_grads
+        g_form = jax.grad(
+            lambda S: krylovjax.funm_action(jnp.log, S, b, 6, method="lanczos") @ b
+        )(S)
+        return value, g_S, g_b, tangent, naive_grads, g_form
 
-    value, g_S, g_b, tangent, naive_grads = run(jnp.asarray(S), jnp.asarray(b))
+    value, g_S, g_b, tangent, naive_grads, g_form = run(jnp.asarray(S), jnp.asarray(b))
+    lam, V = np.linalg.eigh(S)
+    gap = lam[:, None] - lam[None, :]
+    same = np.abs(gap) < 1e-9
+    log_gap = np.log(lam)[:, None] - np.log(lam)[None, :]
+    divided = np.where(same, 1 / lam[:, None], log_gap / np.where(same, 1, gap))
+    w = V.T @ np.asarray(b)
+    want = V @ (divided * np.outer(w, w)) @ V.T
+    np.testing.assert_allclose((g_form + g_form.T) / 2, want, rtol=1e-9, atol=1e-12)
     F = sym_funm(S, np.log)
     np.testing.assert_allclose(value, F @ b, rtol=1e-10)
     assert bool(jnp.isfinite(g_S).all())
