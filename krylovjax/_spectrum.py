@@ -110,7 +110,7 @@ def spectrum_interval(
         for name, given in (("n", n), ("dtype", dtype)):
             if given is not None:
                 msg = (
-                    f"`{NAME}({name}=...)` is for `method=\"lanczos\"` with a "
+                    f'`{NAME}({name}=...)` is for `method="lanczos"` with a '
                     f"callable `A`; Gershgorin discs read a matrix, so it must be "
                     f"None; got {given!r}."
                 )
