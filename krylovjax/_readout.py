@@ -638,9 +638,20 @@ def _reverse_binomial(adj: _Adjoint, acc, stored, first, plan: _Plan):
     moves by a `lax.switch` (advance, load, or stay), the adjoint step is a
     `lax.cond` on `acc`, and the slots are written outside both, every action
     writing one slot back (the working state for `STORE`, its own contents
-    otherwise)."""
-    table = reverse_actions(plan.d, plan.every, plan.spare)
-    actions = jnp.asarray(np.asarray(table, np.int32))
+    otherwise).
+
+    Without spare slots the schedule recomputes each vector from its segment's
+    checkpoint (`LOAD`, `ADVANCE` up to it, `ADJOINT`): its actions, $d^2/2$ for
+    `checkpoints=0`, are then worked out from a cursor in the carry (the vector
+    due and the working state's vector) instead of read from a table, which
+    would be a constant of that size in the program."""
+    if plan.spare == 0:
+        lengths = [min(plan.every, plan.d - lo) for lo in range(0, plan.d, plan.every)]
+        count = sum(n * (n - 1) // 2 + 2 * n for n in lengths)
+        actions = None
+    else:
+        table = reverse_actions(plan.d, plan.every, plan.spare)
+        count, actions = len(table), jnp.asarray(np.asarray(table, np.int32))
     slots = jtu.tree_map(lambda v: _stack_like(v, max(plan.spare, 1)), first)
     last = max(plan.spare, 1) - 1
 
@@ -667,9 +678,25 @@ def _reverse_binomial(adj: _Adjoint, acc, stored, first, plan: _Plan):
     branches = [advance, keep, load, keep]
     assert [ADVANCE, STORE, LOAD, ADJOINT] == list(range(4))
 
+    def next_action(j, cursor):
+        """Action `j` and the cursor after it: `(due, at)`, the vector whose
+        adjoint step is next and the one the working state holds (-1: none)."""
+        if actions is not None:
+            return actions[j, 0], actions[j, 1], cursor
+        due, at = cursor
+        segment = due // plan.every
+        kind = jnp.where(at < 0, LOAD, jnp.where(at < due, ADVANCE, ADJOINT))
+        arg = jnp.where(kind == LOAD, -segment - 1, jnp.where(kind == ADVANCE, at, due))
+        moved = jnp.where(kind == LOAD, segment * plan.every, at + 1)
+        cursor = (
+            jnp.where(kind == ADJOINT, due - 1, due),
+            jnp.where(kind == ADJOINT, -1, moved),
+        )
+        return kind, arg, cursor
+
     def body(j, carry):
-        state, slots, acc = carry
-        kind, arg = actions[j, 0], actions[j, 1]
+        state, slots, acc, cursor = carry
+        kind, arg, cursor = next_action(j, cursor)
         i = jnp.clip(arg, 0, last)
 
         def write(s, v):
@@ -684,10 +711,11 @@ def _reverse_binomial(adj: _Adjoint, acc, stored, first, plan: _Plan):
             return _reverse_vectors(adj, acc, _current(state)[None], arg, 1)
 
         acc = lax.cond(kind == ADJOINT, adjoint, lambda acc: acc, acc)
-        return state, slots, acc
+        return state, slots, acc, cursor
 
-    _, _, acc = lax.fori_loop(0, len(table), body, (first, slots, acc))
-    return acc
+    cursor = (jnp.asarray(plan.d - 1, jnp.int32), jnp.asarray(-1, jnp.int32))
+    carry = (first, slots, acc, cursor)
+    return lax.fori_loop(0, count, body, carry)[2]
 
 
 def readout_adjoint(
@@ -1036,8 +1064,7 @@ def krylov_readout(
         and the vector being recomputed), a static `int >= 0`; values of $d - 1$
         or more store every vector (the memory of `C @ krylov(...)`, and its
         time), `0` keeps only `x0` and recomputes each vector from it ($d(d-1)/2$
-        products, from a schedule of as many entries, 8 bytes each, in the
-        compiled program: for small $d$). `None`
+        products). `None`
         (default): every vector while the $d$ vectors take at most 256 MiB;
         else as many as 256 MiB hold, at least 2 and at most
         $2\lceil\sqrt d\,\rceil - 1$ (for vectors of 512 MiB at $d = 16$:

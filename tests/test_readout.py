@@ -410,6 +410,24 @@ def test_reverse_pass_memory():
     assert got < (3 * 16 + 8) * vector, (got / vector, want / vector)
 
 
+def test_recomputing_from_x0_holds_no_schedule():
+    """`checkpoints=0` recomputes each vector from `x0`: d (d - 1) / 2 products in
+    about d^2 / 2 actions, which the loop works out as it goes. Their table, a
+    constant of the program, took 4 MB of its peak memory at d = 1000 (of
+    two-number vectors). Compiled only."""
+    d = 1000
+    A = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+    x0 = jnp.ones(2, jnp.float32)
+
+    def loss(A):
+        return jnp.sum(krylovjax.krylov_readout(A, x0, d, x0[None], checkpoints=0))
+
+    stats = jax.jit(jax.grad(loss)).lower(A).compile().memory_analysis()
+    if stats is None:
+        pytest.skip("memory_analysis() returns None on this backend")
+    assert stats.peak_memory_in_bytes < 100 * 2**10, stats.peak_memory_in_bytes
+
+
 def test_reverse_pass_memory_of_huge_vectors():
     # Vectors of 256 MiB at d = 16: by default the reverse pass keeps two of them
     # (a checkpoint and a spare one for the binomial schedule) besides its working
