@@ -81,28 +81,42 @@ def _set(basis: Any, **values: Any) -> None:
     _check_values(basis)
 
 
-def _check_values(basis: Any) -> None:
+def _check_values(basis: Any, dtype: Any = None) -> None:
     """Raise a `ValueError` naming the argument if a concrete array field of
-    `basis` is not finite, if `lo >= hi`, or if `alpha` or `beta` is `<= -1`.
-    Traced fields (under `jax.jit`, say) are not checked."""
+    `basis` is not finite, if `lo >= hi`, or if `alpha` or `beta` is `<= -1`;
+    with `dtype`, the fields rounded to `dtype`, the precision the coefficients
+    are computed in (`Jacobi(-1 + 1e-9, ...)` is valid in float64, but its
+    `alpha` is -1 in float32). Traced fields (under `jax.jit`, say) are not
+    checked."""
     name = type(basis).__name__
-    values = {
+    given = {
         field.name: np.asarray(getattr(basis, field.name))
         for field in dataclasses.fields(basis)
         if not field.metadata.get("static")
         and not isinstance(getattr(basis, field.name), Tracer)
     }
+    values, where = given, ""
+    if dtype is not None:
+        with np.errstate(over="ignore"):
+            values = {field: value.astype(dtype) for field, value in given.items()}
+        where = f" in {np.dtype(dtype).name}, the precision of the computation"
+
+    def got(field: str) -> str:
+        if np.array_equal(values[field], given[field], equal_nan=True):
+            return f"{values[field]}"
+        return f"{values[field]} (rounded from {given[field]})"
+
     for field, value in values.items():
         if not np.all(np.isfinite(value)):
-            msg = f"`{name}({field}=...)` must be finite; got {value}."
+            msg = f"`{name}({field}=...)` must be finite{where}; got {got(field)}."
             raise ValueError(msg)
         if field in ("alpha", "beta") and not value > -1:
-            msg = f"`{name}({field}=...)` must be > -1; got {value}."
+            msg = f"`{name}({field}=...)` must be > -1{where}; got {got(field)}."
             raise ValueError(msg)
     if "lo" in values and "hi" in values and not values["lo"] < values["hi"]:
         msg = (
-            f"`{name}(lo=..., hi=...)` must have lo < hi; got lo={values['lo']}, "
-            f"hi={values['hi']}."
+            f"`{name}(lo=..., hi=...)` must have lo < hi{where}; got "
+            f"lo={got('lo')}, hi={got('hi')}."
         )
         raise ValueError(msg)
 
@@ -113,6 +127,7 @@ def _check_request(basis: "AbstractBasis", d: Any, dtype: Any) -> tuple[int, Any
     d = check_size(d, f"{name}(d=...)", what="the number of polynomials")
     dtype = check_dtype(dtype, f"{name}(dtype=...)", allow_complex=False)
     _check_values(basis)
+    _check_values(basis, dtype)
     return d, dtype
 
 

@@ -392,6 +392,33 @@ ERRORS = [
         r"`Legendre.coefficients\(dtype=...\)` must be a real floating-point dtype "
         r"or None; got dtype complex64\.",
     ),
+    # Valid in float64 (the fields' dtype under x64), not in the vectors' float32.
+    _case(
+        "jacobi-rounds-to-minus-one",
+        lambda: krylovjax.krylov(
+            np.eye(2, dtype=np.float32),
+            np.ones(2, np.float32),
+            3,
+            basis=krylovjax.Jacobi(-1 + 1e-9, 0.5),
+        ),
+        ValueError,
+        r"`Jacobi\(alpha=...\)` must be > -1 in float32, the precision of the "
+        r"computation; got -1.0 \(rounded from -0.999999999\)\.",
+    ),
+    _case(
+        "interval-rounds-to-a-point",
+        lambda: krylovjax.Chebyshev(1.0, 1 + 1e-9).coefficients(3, np.float32),
+        ValueError,
+        r"`Chebyshev\(lo=..., hi=...\)` must have lo < hi in float32, the precision "
+        r"of the computation; got lo=1.0, hi=1.0 \(rounded from 1.000000001\)\.",
+    ),
+    _case(
+        "three-term-overflows",
+        lambda: krylovjax.ThreeTerm(1e39, 0.0, 0.0).coefficients(3, np.float32),
+        ValueError,
+        r"`ThreeTerm\(a=...\)` must be finite in float32, the precision of the "
+        r"computation; got inf \(rounded from 1e\+39\)\.",
+    ),
     _case(
         "gershgorin-callable",
         lambda: krylovjax.spectrum_interval(lambda v: v),
