@@ -29,6 +29,7 @@ from ._scan import (
     krylov_scan,
 )
 from ._sequence import ADJOINTS, Adjoint
+from ._sharding import as_typed
 from ._typing import OperatorLike, StaticInt
 
 LAYOUTS = ("columns", "rows")
@@ -287,7 +288,7 @@ def check_problem(A, x0, d, fn_name, stacked=True):
     """Check `A`, `x0` and `d` and return them in internal form; with `stacked`,
     also that `d` copies of `x0` fit in memory (the Krylov matrix)."""
     d = check_depth(d, fn_name)
-    x0 = as_array(x0, f"{fn_name}(x0=...)")
+    x0 = as_typed(as_array(x0, f"{fn_name}(x0=...)"))
     if x0.ndim == 0:
         msg = (
             f"`{fn_name}(x0=...)` must have at least one axis; got a scalar of "

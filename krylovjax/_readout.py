@@ -93,7 +93,7 @@ from ._scan import (
     inexact_zeros,
 )
 from ._schedule import ADJOINT, ADVANCE, LOAD, STORE, plan_checkpoints, reverse_actions
-from ._sharding import typed_like
+from ._sharding import typed_like, zeros_stack
 from ._tangent import (
     coefficient_cotangents,
     is_tangent,
@@ -149,11 +149,6 @@ def _zero_piece(readout: "_Readout", params, x0: Array) -> Array:
     """Zeros like a piece of `readout`, its sharding included (the piece of zeros:
     one product, typed by JAX's own rules)."""
     return jnp.zeros_like(readout.piece(params, jnp.zeros_like(x0)))
-
-
-def _stack_like(x: Array, size: int) -> Array:
-    """Zeros of shape `(size, *x.shape)`, each row typed like `x`."""
-    return jnp.broadcast_to(jnp.zeros_like(x)[None], (size, *x.shape))
 
 
 class _Readout(eqx.Module):
@@ -414,7 +409,7 @@ def readout_forward(
     if not keep or plan.count == 1:
         return _run(operator, readout, padded, state, out, 0, plan.d, False)[1], None
     every = plan.every
-    stack = jtu.tree_map(lambda v: _stack_like(v, plan.count - 1), state)
+    stack = jtu.tree_map(lambda v: zeros_stack(v, plan.count - 1), state)
 
     # One loop over all vectors, which stores a checkpoint when it reaches one:
     # so the checkpoints are ready only once the output is (with a loop per
@@ -450,7 +445,7 @@ def _forward_storing(operator, readout, padded, state, out, plan, keep):
     and stores: for small vectors, where a step costs what its operations'
     overheads do, that takes a matrix-vector product out of every step."""
     x0 = _current(state)
-    xs = _stack_like(x0, plan.d) if keep else None
+    xs = zeros_stack(x0, plan.d) if keep else None
     if keep and readout.reads_stack(xs):
 
         def advance(carry, k):
@@ -502,7 +497,7 @@ class _Adjoint(eqx.Module):
 def _recompute(adj: _Adjoint, state, lo, length: int) -> Array:
     """The segment's vectors `lo .. lo + length - 1` from its state at `lo`."""
     first = _current(state)
-    stack = jnp.broadcast_to(jnp.zeros_like(first)[None], (length, *first.shape))
+    stack = zeros_stack(first, length)
     stack = lax.dynamic_update_index_in_dim(stack, first, 0, 0)
 
     if adj.padded is None:
@@ -537,12 +532,15 @@ def _readout_cotangents(adj: _Adjoint, xs, k0, first, size: int):
             return jax.vmap(lambda x: adj.readout.piece(params, x))(xs)
         return jax.vmap(adj.readout.piece, in_axes=(axis, 0))(params, xs)
 
+    # On an `Explicit` mesh the cotangent must have the pieces' sharding type: a
+    # loss that gathers rows of the output (`from_partitioned`) gives a
+    # replicated one.
     if adj.want_readout:
-        _, vjp = eqx.filter_vjp(pieces, params, xs)
-        ct_params, gs = vjp(ct)
+        out, vjp = eqx.filter_vjp(pieces, params, xs)
+        ct_params, gs = vjp(jtu.tree_map(typed_like, ct, out))
     else:
-        _, vjp = eqx.filter_vjp(lambda xs: pieces(params, xs), xs)
-        (gs,), ct_params = vjp(ct), None
+        out, vjp = eqx.filter_vjp(lambda xs: pieces(params, xs), xs)
+        (gs,), ct_params = vjp(jtu.tree_map(typed_like, ct, out)), None
     return gs.astype(xs.dtype), ct_params
 
 
@@ -593,7 +591,7 @@ def _reverse_chunk(adj: _Adjoint, acc, xs, lo, first, size: int):
             ws = lax.dynamic_update_index_in_dim(ws, w, size - 1 - j, 0)
         return acc, ws
 
-    ws = _stack_like(xs[0], size) if adj.want_operator else None
+    ws = zeros_stack(xs[0], size) if adj.want_operator else None
     acc, ws = lax.fori_loop(0, size, step, (acc, ws))
     carry, grad, ct_readout, dsum = acc
     if ws is not None:
@@ -652,7 +650,7 @@ def _reverse_binomial(adj: _Adjoint, acc, stored, first, plan: _Plan):
     else:
         table = reverse_actions(plan.d, plan.every, plan.spare)
         count, actions = len(table), jnp.asarray(np.asarray(table, np.int32))
-    slots = jtu.tree_map(lambda v: _stack_like(v, max(plan.spare, 1)), first)
+    slots = jtu.tree_map(lambda v: zeros_stack(v, max(plan.spare, 1)), first)
     last = max(plan.spare, 1) - 1
 
     def advance(k, state, slots):

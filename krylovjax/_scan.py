@@ -82,7 +82,7 @@ from ._chunks import (
 from ._operator import AbstractOperator, DenseOperator
 from ._rules import fold_batch, reverse_rule, tangent_or_none
 from ._sequence import trajectory, with_first
-from ._sharding import is_split, typed_like
+from ._sharding import is_split, typed_like, zeros_stack
 from ._tangent import (
     coefficient_cotangents,
     is_tangent,
@@ -160,7 +160,7 @@ def _stored_tail(
     where a scan's stacked output has it second; the reverse pass's loops read the
     stack with the batch first, and would otherwise copy it whole.
     """
-    stack = jnp.broadcast_to(jnp.zeros_like(x0)[None], (steps, *x0.shape))
+    stack = zeros_stack(x0, steps)
     if steps == 0:
         return stack
 

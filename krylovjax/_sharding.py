@@ -104,6 +104,33 @@ def typed_like(y: Array, like: Array) -> Array:
     return jax.sharding.reshard(y, sharding)
 
 
+def as_typed(x: Any) -> Any:
+    """`x` as an array of its own sharding type: on a mesh with `Explicit` axes a
+    concrete array split over it (one a jitted function closes over) enters a
+    trace as a constant, and `jnp.zeros_like` of it, say, is typed replicated, where the
+    results of the library's loops are typed like the array; so it is resharded
+    to its own sharding (outside a trace, a copy). Anything else is returned as
+    it is."""
+    if isinstance(x, Tracer) or not is_split(x):
+        return x
+    return jax.sharding.reshard(x, jax.typeof(x).sharding)
+
+
+def zeros_stack(x: Array, size: int) -> Array:
+    """Zeros of shape `(size, *x.shape)`, each row typed like `x`: on an
+    `Explicit` mesh `jnp.zeros_like` of a concrete array (one a jitted function
+    closes over) is typed replicated, and a loop that writes `x`'s successors
+    into the stack needs their type."""
+    stack = jnp.broadcast_to(jnp.zeros_like(x)[None], (size, *x.shape))
+    sharding = jax.typeof(x).sharding
+    if not _has_explicit_axis(sharding):
+        return stack
+    rows = sharding.update(spec=P(None, *sharding.spec))
+    if jax.typeof(stack).sharding == rows:
+        return stack
+    return jax.sharding.reshard(stack, rows)
+
+
 def like_input(x: Any) -> Any:
     """The `out_sharding=` of a product with input `x`: `x`'s own sharding on an
     explicit mesh, where a contraction over an axis that both operands shard (`A`

@@ -87,24 +87,27 @@ block has `b = 4` columns, the smallest that four devices split.
 of `sum(sin(value))` with respect to every differentiable array (the operator's,
 `x0`, a layer's parameters) and a JVP along a fixed random tangent (symmetric for
 the matrix, whose decompositions assume it); only when that program fails are the
-three run one at a time, to name the failing mode. Each is compared with the same
-function on one device, in float64: the largest difference relative to the
-largest entry must be below `RTOL`. The reference is computed once per function
-and `x0` shape, with the function's first options and the dense matrix (every
-operator kind holds the same matrix; the gradient of a BCOO matrix's stored
-values is the dense gradient at their positions), and a block of independent
-problems is assembled from the program for one vector. A cell passes, or fails
-in a mode with a documented error (`DOCUMENTED`: a `ValueError` raised by
-krylovjax that names what to change), or is a known failure of JAX itself
-(`KNOWN`, each with the reason); any other error, a
-difference, or a sharding that breaks a documented guarantee (`problems`) fails
-it.
+three run one at a time, to name the failing mode. A `closed` cell's program
+closes over its vectors instead of taking them as arguments (so it computes the
+value and the gradient with respect to the other arrays), and a `gathered`
+cell's loss reads each output through a gather of its rows. Each is compared
+with the same function on one device, in float64: the largest difference
+relative to the largest entry must be below `RTOL`. The reference is computed
+once per function and `x0` shape, with the function's first options and the
+dense matrix (every operator kind holds the same matrix; the gradient of a BCOO
+matrix's stored values is the dense gradient at their positions), and a block of
+independent problems is assembled from the program for one vector. A cell
+passes, or fails in a mode with a documented error (`DOCUMENTED`: a `ValueError`
+raised by krylovjax that names what to change), or is a known failure of JAX
+itself (`KNOWN`, each with the reason); any other error, a difference, or a
+sharding that breaks a documented guarantee (`problems`) fails it.
 
 **The subset.** The full grid is every combination of the five dimensions, with
 the context and each function's options chosen so that every pair of values of
 any two of a function's dimensions occurs. The subset (what CI runs, `--parallel`)
 is the `TARGETED` cells (output shardings, doubling's two reverse-pass schemes,
-arrays placed on no mesh, layouts that once failed) and, added greedily and
+arrays placed on no mesh, programs that close over split vectors or read their
+output through a gather of rows, layouts that once failed) and, added greedily and
 deterministically (`cover`), cells until every pair of values of two of the five
 dimensions and the context occurs, and every option's value with every mesh type
 (`krylov`'s and `iterate`'s options with every dimension). `--targeted` runs
@@ -331,6 +334,10 @@ def cell_id(cell: dict) -> str:
         parts.append("n={}-d={}".format(*cell["size"]))
     if cell.get("unplaced"):
         parts.append(f"unplaced={cell['unplaced']}")
+    if cell.get("closed"):
+        parts.append("closed")
+    if cell.get("gathered"):
+        parts.append("gathered")
     if cell.get("auto_table"):
         parts.append("auto_table")
     return ",".join(parts)
@@ -491,6 +498,22 @@ TARGETED = (
             ("trace_funm", {"estimator": "hutchinson", "tol": 1e-6}),
         )
     ),
+    # Vectors split by rows on an explicit mesh, in programs that close over them
+    # (`closed`: concrete arrays enter the trace as constants, and `zeros_like`
+    # of one is typed replicated, where the loops' results are typed split) or
+    # whose loss reads the output through a gather of its rows (`gathered`, as
+    # `GraphPartition.from_partitioned` does: the output's cotangent arrives
+    # replicated).
+    *(
+        _cell(function, "explicit", operator, "replicated", "rows", **extra)
+        for function, operator, extra in (
+            ("krylov", "dense", {"closed": True}),
+            ("chebyshev", "dense", {"closed": True}),
+            ("readout", "bcoo", {"gathered": True, "context": "inside"}),
+            ("readout", "dense", {"closed": True, "gathered": True}),
+            ("graph_conv", "bcoo", {"closed": True, "gathered": True}),
+        )
+    ),
 )
 
 
@@ -501,7 +524,11 @@ def grid_cells(full: bool) -> list[dict]:
     plain = [
         c
         for c in TARGETED
-        if not c.get("size") and not c.get("unplaced") and c["x0"] in X_LAYOUTS
+        if not c.get("size")
+        and not c.get("unplaced")
+        and not c.get("closed")
+        and not c.get("gathered")
+        and c["x0"] in X_LAYOUTS
     ]
     seeds = [_row(c) for c in plain]
     return list(TARGETED) + [as_cell(row) for row in cover(False, seeds)]
@@ -817,19 +844,37 @@ def _order(cell, prob):
 # ------------------------------------------------------------------ the programs
 
 
-def _loss(out):
+def _loss(out, gathered=False):
     # Nonlinear: the gradient reads the value (a linear loss's gradient with
     # respect to `x0` would not, and JAX then drops `x0` from the program).
-    return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(out))
+    # `gathered`: each leaf read through a gather of its first axis, reversed (the
+    # same loss: a sum over the entries).
+    leaves = jax.tree.leaves(out)
+    if gathered:
+        leaves = [_reversed_rows(leaf) for leaf in leaves]
+    return sum(jnp.sum(jnp.sin(leaf)) for leaf in leaves)
 
 
-def _program(prob, options, modes):
+def _reversed_rows(x):
+    """`x`'s first axis reversed by a gather, replicated on an explicit mesh (as
+    `GraphPartition.from_partitioned` reads its rows)."""
+    sharding = jax.typeof(x).sharding
+    explicit = getattr(sharding.mesh, "are_all_axes_explicit", False)
+    out = sharding.update(spec=P()) if explicit else None
+    rows = jnp.arange(x.shape[0])[::-1]
+    return x.at[rows].get(unique_indices=True, out_sharding=out)
+
+
+def _program(prob, options, modes, closed=None, gathered=False):
     """The jitted program computing `modes` ("value", "grad", "jvp", and for a
-    `vmap` over keys "grad_per_key", the gradient for each key) at once."""
+    `vmap` over keys "grad_per_key", the gradient for each key) at once; it
+    closes over the arrays `closed` (a dict), and reads its loss through a
+    gather with `gathered`."""
+    closed = closed or {}
 
     def run(diff, rest, tangent):
         def f(diff):
-            return prob.apply({**diff, **rest}, options)
+            return prob.apply({**diff, **rest, **closed}, options)
 
         def per_key(key):
             one = {k: v for k, v in rest.items() if k != "keys"}
@@ -843,7 +888,7 @@ def _program(prob, options, modes):
         if "value" in modes:
             out["value"] = f(diff)
         if "grad" in modes:
-            out["grad"] = jax.grad(lambda diff: _loss(f(diff)))(diff)
+            out["grad"] = jax.grad(lambda diff: _loss(f(diff), gathered))(diff)
         if "jvp" in modes:
             out["jvp"] = jax.jvp(f, (diff,), (tangent,))[1]
         if "grad_per_key" in modes:
@@ -1050,12 +1095,25 @@ def run_cell(cell: dict) -> dict:
 
     diff, rest, tangent = _inputs(prob, place, order)
     modes = _modes(cell)
+    closed = {}
+    if cell.get("closed"):
+        # The vectors closed over: not arguments, so without gradient or tangent.
+        names = [name for name in diff if prob.kinds[name] == "x0"]
+        closed = {name: diff.pop(name) for name in names}
+        for name in names:
+            tangent.pop(name)
+        grad = {k: v for k, v in want["grad"].items() if k not in names}
+        want = dict(want, grad=grad)
+        modes = tuple(m for m in modes if m != "jvp")
     record = dict(id=cell_id(cell), cell=cell, modes=list(modes), errors={})
     record["failures"] = {}
 
     def attempt(which):
         with jax.set_mesh(mesh) if cell["context"] == "inside" else _NoMesh():
-            out = _program(prob, cell["options"], which)(diff, rest, tangent)
+            program = _program(
+                prob, cell["options"], which, closed, cell.get("gathered", False)
+            )
+            out = program(diff, rest, tangent)
             return jax.block_until_ready(out)
 
     start = time.perf_counter()
@@ -1079,7 +1137,8 @@ def run_cell(cell: dict) -> dict:
         leaves = jax.tree.leaves(results["value"])
         record["value_specs"] = [_spec(leaf) for leaf in leaves]
         record["value_devices"] = [len(leaf.sharding.device_set) for leaf in leaves]
-        record["x0_spec"] = _spec(diff["x0"]) if "x0" in diff else None
+        inputs = {**diff, **closed}
+        record["x0_spec"] = _spec(inputs["x0"]) if "x0" in inputs else None
     return record
 
 
