@@ -732,8 +732,9 @@ def _check_parts(num_parts: Any) -> int:
 
 def _entries_of(A: Any) -> tuple:
     """`(rows, cols, values, n, inside)` of a BCOO or SciPy matrix: the entries
-    inside the matrix, and which of the stored entries they are (JAX's padding,
-    entries outside the matrix, is dropped)."""
+    inside the matrix, and which of the stored entries they are. As in JAX's
+    products, a BCOO index in $[-n, 0)$ counts from the end, and an entry with an
+    index outside $[-n, n)$ is padding, dropped."""
     if isinstance(A, sparse.BCOO):
         if A.ndim != 2 or A.n_batch or A.n_dense or A.shape[0] != A.shape[1]:
             msg = (
@@ -754,6 +755,7 @@ def _entries_of(A: Any) -> tuple:
             raise TypeError(msg) from err
         n = A.shape[0]
         rows, cols = indices[:, 0].astype(np.int64), indices[:, 1].astype(np.int64)
+        rows, cols = (np.where(i < 0, i + A.shape[0], i) for i in (rows, cols))
     elif hasattr(A, "tocoo") and hasattr(A, "shape"):  # SciPy sparse
         coo = A.tocoo()
         if coo.shape[0] != coo.shape[1]:

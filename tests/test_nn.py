@@ -191,6 +191,13 @@ def test_normalise_adjacency_dense_and_sparse_agree():
     bcoo = normalise_adjacency(sparse.BCOO.fromdense(adjacency))
     assert isinstance(bcoo, sparse.BCOO)
     np.testing.assert_allclose(bcoo.todense(), expected, rtol=1e-12)
+    # Indices in [-N, 0) count from the end, as in JAX's products.
+    A = sparse.BCOO.fromdense(adjacency)
+    wrapped = (
+        A.indices - N_NODES * (jnp.arange(A.nse, dtype=A.indices.dtype) % 2)[:, None]
+    )
+    bcoo = normalise_adjacency(sparse.BCOO((A.data, wrapped), shape=A.shape))
+    np.testing.assert_allclose(bcoo.todense(), expected, rtol=1e-12)
     assert np.max(np.abs(np.linalg.eigvalsh(expected))) <= 1 + 1e-12
 
 

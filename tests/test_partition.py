@@ -145,11 +145,15 @@ def test_one_device_matches_bcoo():
 
 
 def test_padding_and_out_of_range_entries_are_dropped():
+    # As in JAX's products: indices in [-n, 0) count from the end (every other
+    # entry here), and entries outside [-n, n) are padding.
     A = _path_graph(6)
+    wrapped = A.indices - 6 * (jnp.arange(A.nse, dtype=A.indices.dtype) % 2)[:, None]
+    outside = jnp.asarray([[6, 6], [-7, 0]], A.indices.dtype)
     padded = sparse.BCOO(
         (
             jnp.concatenate([A.data, jnp.ones(2)]),
-            jnp.concatenate([A.indices, jnp.full((2, 2), 6, A.indices.dtype)]),
+            jnp.concatenate([wrapped, outside]),
         ),
         shape=A.shape,
     )

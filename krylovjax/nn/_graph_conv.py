@@ -133,8 +133,10 @@ def normalise_adjacency(
         diag = jnp.arange(n, dtype=adjacency.indices.dtype)
         indices = jnp.concatenate([adjacency.indices, jnp.stack([diag, diag], axis=1)])
         data = jnp.concatenate([adjacency.data, jnp.ones(n, adjacency.dtype)])
-        degree = jax.ops.segment_sum(data, indices[:, 0], num_segments=n)
-        data = data / jnp.sqrt(degree[indices[:, 0]] * degree[indices[:, 1]])
+        # An index in [-n, 0) counts from the end, as in JAX's products.
+        rows, cols = (jnp.where(i < 0, i + n, i) for i in indices.T)
+        degree = jax.ops.segment_sum(data, rows, num_segments=n)
+        data = data / jnp.sqrt(degree[rows] * degree[cols])
         return sparse.BCOO((data, indices), shape=shape)
     with_loops = adjacency + jnp.eye(n, dtype=adjacency.dtype)
     degree = with_loops.sum(axis=1)
