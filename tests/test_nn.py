@@ -7,6 +7,8 @@ central finite differences in float64 (`conftest.py` enables 64-bit mode), a
 serialise/deserialise round trip, and the errors raised for bad arguments.
 """
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -329,6 +331,16 @@ def test_output_under_jit_and_serialise_round_trip(kind, tmp_path):
             ValueError,
             r"min_damping=.*got 0\.0",
         ),
+        (
+            lambda k: StateSpaceConv(2, 1, 1, 5, dt_max=math.inf, key=k),
+            ValueError,
+            r"dt_min <= dt_max < inf; got dt_min=0\.001, dt_max=inf",
+        ),
+        (
+            lambda k: StateSpaceConv(2, 1, 1, 5, min_damping=math.inf, key=k),
+            ValueError,
+            r"min_damping=\.\.\.\)` must be finite and > 0; got inf",
+        ),
         (lambda k: KrylovGraphConv(0, 2, 1, key=k), ValueError, r"in_features="),
         (lambda k: KrylovGraphConv(2, 0, 1, key=k), ValueError, r"out_features="),
         (lambda k: KrylovGraphConv(2, 2, -1, key=k), ValueError, r"num_hops=.*-1"),
@@ -342,6 +354,14 @@ def test_output_under_jit_and_serialise_round_trip(kind, tmp_path):
 def test_constructor_errors(build, error, match):
     with pytest.raises(error, match=match):
         build(jr.key(0))
+
+
+def test_flags_take_numpy_bools():
+    # As `ChebIIConv(nonnegative=...)` does: a NumPy bool is a bool.
+    for flag in (False, True):
+        layer = LinearDynamics(3, 5, learn_x0=np.bool_(flag), key=jr.key(0))
+        assert layer.learn_x0 is flag
+        assert (layer.x0 is not None) == flag
 
 
 def test_linear_dynamics_call_errors():

@@ -142,7 +142,7 @@ class ChebIIConv(eqx.Module):
         K: StaticInt,
         *,
         normalization: Normalization = "sym",
-        nonnegative: bool = True,
+        nonnegative: bool | np.bool_ = True,
         dtype: DTypeLike | None = None,
     ):
         r"""**Arguments:**

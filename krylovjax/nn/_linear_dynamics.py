@@ -12,6 +12,7 @@ import math
 import equinox as eqx
 import jax
 import jax.random as jr
+import numpy as np
 from jaxtyping import Array, ArrayLike, DTypeLike, Inexact, PRNGKeyArray, Shaped
 
 from .._checks import (
@@ -74,7 +75,7 @@ class LinearDynamics(eqx.Module):
         state_size: StaticInt,
         horizon: StaticInt,
         *,
-        learn_x0: bool = True,
+        learn_x0: bool | np.bool_ = True,
         dtype: DTypeLike | None = None,
         key: PRNGKeyArray,
     ):
@@ -92,7 +93,7 @@ class LinearDynamics(eqx.Module):
         """
         n = check_size(state_size, "LinearDynamics(state_size=...)", what="a size")
         d = check_size(horizon, "LinearDynamics(horizon=...)", what="the trajectory")
-        if not isinstance(learn_x0, bool):
+        if not isinstance(learn_x0, bool | np.bool_):
             msg = (
                 f"`LinearDynamics(learn_x0=...)` must be a bool; got {learn_x0!r} "
                 f"of type {type(learn_x0).__name__}."
@@ -112,7 +113,7 @@ class LinearDynamics(eqx.Module):
         self.x0 = jr.normal(xkey, (n,), dtype) if learn_x0 else None
         self.state_size = n
         self.horizon = d
-        self.learn_x0 = learn_x0
+        self.learn_x0 = bool(learn_x0)
 
     def __call__(
         self,

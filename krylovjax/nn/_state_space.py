@@ -130,8 +130,9 @@ class StateSpaceConv(eqx.Module):
         - `out_channels`: the number of output channels $c_\text{out}$.
         - `length`: the kernel length $L$, the longest input sequence accepted.
         - `dt_min`, `dt_max`: the initial step size $\Delta$ is drawn log-uniformly
-            from `[dt_min, dt_max]` (S4's convention); `0 < dt_min <= dt_max`.
-        - `min_damping`: $\epsilon > 0$, the least damping rate of $A_c$, which
+            from `[dt_min, dt_max]` (S4's convention); `0 < dt_min <= dt_max`,
+            finite.
+        - `min_damping`: a finite $\epsilon > 0$, the least damping rate of $A_c$, which
             keeps $\lVert \bar A \rVert_2 < 1$ strictly.
         - `dtype`: the dtype of the parameters, `jax.numpy.float32` or
             `jax.numpy.float64`. Defaults to either depending on whether JAX is in
@@ -147,14 +148,18 @@ class StateSpaceConv(eqx.Module):
         c_in = check_size(in_channels, "StateSpaceConv(in_channels=...)")
         c_out = check_size(out_channels, "StateSpaceConv(out_channels=...)")
         length = check_size(length, "StateSpaceConv(length=...)", what="kernel length")
-        if not (0 < dt_min <= dt_max):
+        if not (0 < dt_min <= dt_max < math.inf):
             msg = (
                 "`StateSpaceConv(dt_min=..., dt_max=...)` must satisfy "
-                f"0 < dt_min <= dt_max; got dt_min={dt_min!r}, dt_max={dt_max!r}."
+                f"0 < dt_min <= dt_max < inf; got dt_min={dt_min!r}, "
+                f"dt_max={dt_max!r}."
             )
             raise ValueError(msg)
-        if not min_damping > 0:
-            msg = f"`StateSpaceConv(min_damping=...)` must be > 0; got {min_damping!r}."
+        if not 0 < min_damping < math.inf:
+            msg = (
+                "`StateSpaceConv(min_damping=...)` must be finite and > 0; got "
+                f"{min_damping!r}."
+            )
             raise ValueError(msg)
         arg = "StateSpaceConv(dtype=...)"
         dtype = check_dtype(dtype, arg, allow_complex=False)
