@@ -358,3 +358,24 @@ def check_matrix_shape(
             f"match `A` of shape {tuple(shape)}; got shape {x0.shape}."
         )
         raise ValueError(msg)
+
+
+def check_key(key: Any, arg: str) -> None:
+    """Raise a `TypeError` naming `arg` unless `key` is one JAX PRNG key: a typed
+    key of shape `()`, or a raw `uint32` key of shape `(2,)` or `(4,)`."""
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(
+        key.dtype, jax.dtypes.prng_key
+    )
+    raw = (
+        isinstance(key, jax.Array)
+        and key.dtype == jnp.uint32
+        and key.shape in ((2,), (4,))
+    )
+    if not (typed and key.shape == ()) and not raw:
+        what = getattr(key, "dtype", type(key).__name__)
+        shape = getattr(key, "shape", None)
+        msg = (
+            f"`{arg}` must be one JAX PRNG key, e.g. `jax.random.key(0)`; got "
+            f"{what}" + ("" if shape is None else f" of shape {shape}") + "."
+        )
+        raise TypeError(msg)

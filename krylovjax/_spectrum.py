@@ -31,6 +31,7 @@ from ._checks import (
     check_depth,
     check_dtype,
     check_inexact,
+    check_key,
     check_size,
 )
 from ._funm import eigh_one_at_a_time
@@ -72,7 +73,8 @@ def spectrum_interval(
     - `key`: a `jax.random` key for the start vector (`method="lanczos"` only).
     - `d`: the number of Lanczos steps (default 20), a static int.
     - `margin`: both ends move out by `margin * (hi - lo)` (default 0.01, must
-        be $\ge 0$); a zero-width interval by `margin * max(|lo|, |hi|)`, or by
+        be $\ge 0$, which is checked where it is concrete, not where it is
+        traced); a zero-width interval by `margin * max(|lo|, |hi|)`, or by
         `margin` if both are 0, so that `margin > 0` always gives `lo < hi`.
     - `n`, `dtype`: the length and dtype of a callable `A`'s vectors, required
         for one (a matrix has its own: leave them `None`).
@@ -182,8 +184,12 @@ def _gershgorin(A: Any) -> tuple[Array, Array, Any]:
     n = matrix.shape[0]
     if isinstance(matrix, sparse.BCOO):
         # Its entries gathered first where they are split over an explicit mesh:
-        # `sum_duplicates` sorts them, along an axis that must not be split.
-        entries = (gathered(matrix.data), gathered(matrix.indices))
+        # `sum_duplicates` sorts them, along an axis that must not be split. As in
+        # JAX's products, an index in [-n, 0) counts from the end (wrapped first,
+        # so that it meets its duplicates); one outside [-n, n) is padding.
+        indices = gathered(matrix.indices)
+        indices = jnp.where(indices < 0, indices + n, indices)
+        entries = (gathered(matrix.data), indices)
         summed = sparse.BCOO(entries, shape=matrix.shape).sum_duplicates(matrix.nse)
         rows, cols = summed.indices[:, 0], summed.indices[:, 1]
         inside = (rows >= 0) & (rows < n) & (cols >= 0) & (cols < n)
@@ -208,6 +214,7 @@ def _ritz(A: Any, key: Any, d: Any, n: Any, dtype: Any) -> tuple[Array, Array, A
             f"(it draws the start vector); got None."
         )
         raise ValueError(msg)
+    check_key(key, f"{NAME}(key=...)")
     d = check_depth(d, NAME)
     matrix, own = _matrix(A)
     for name, value in (("n", n), ("dtype", dtype)):

@@ -58,6 +58,7 @@ from ._checks import (
     check_choice,
     check_depth,
     check_inexact,
+    check_key,
     check_operator_type,
     check_size,
     standard_result_type,
@@ -446,7 +447,7 @@ def trace_funm(
         )
     sketch = _sketch_size(estimator, num_sketch, num_probes, fn_name)
     deflated_blocks = _deflated_blocks(estimator, deflated_blocks, d, fn_name)
-    _check_key(key, f"{fn_name}(key=...)")
+    check_key(key, f"{fn_name}(key=...)")
     n, dtype = _probe_structure(A, like, fn_name)
     if block_size is not None and d * block_size > n:
         msg = (
@@ -1031,25 +1032,6 @@ def _deflated_blocks(estimator: str, q: Any, d: int, fn_name: str) -> int:
 
 
 # --------------------------------------------------------------------- checks
-
-
-def _check_key(key: Any, arg: str) -> None:
-    typed = isinstance(key, jax.Array) and jnp.issubdtype(
-        key.dtype, jax.dtypes.prng_key
-    )
-    raw = (
-        isinstance(key, jax.Array)
-        and key.dtype == jnp.uint32
-        and key.shape in ((2,), (4,))
-    )
-    if not (typed and key.shape == ()) and not raw:
-        what = getattr(key, "dtype", type(key).__name__)
-        shape = getattr(key, "shape", None)
-        msg = (
-            f"`{arg}` must be one JAX PRNG key, e.g. `jax.random.key(0)`; got "
-            f"{what}" + ("" if shape is None else f" of shape {shape}") + "."
-        )
-        raise TypeError(msg)
 
 
 def _probe_structure(A: Any, like: Any, fn_name: str) -> tuple[int, Any]:

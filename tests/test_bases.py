@@ -192,14 +192,15 @@ def _bcoo(M, padding=0, duplicate=False):
     """`M` as a BCOO matrix built in NumPy: its nonzero entries, then `padding`
     entries with index n (as JAX pads) and value 7 (to show they are ignored),
     and with `duplicate` one off-diagonal entry split into two (summed, as BCOO
-    does)."""
+    does), the second stored with indices counted from the end (i - n, as JAX's
+    products read them)."""
     n = M.shape[0]
     rows, cols = np.nonzero(M)
     data, indices = M[rows, cols], np.stack([rows, cols], axis=1)
     if duplicate:
         i = np.flatnonzero(rows != cols)[0]
         data = np.concatenate([data - 5.0 * (np.arange(len(data)) == i), [5.0]])
-        indices = np.concatenate([indices, indices[i : i + 1]])
+        indices = np.concatenate([indices, indices[i : i + 1] - n])
     data = np.concatenate([data, np.full(padding, 7.0)])
     indices = np.concatenate([indices, np.full((padding, 2), n)]).astype(np.int32)
     return sparse.BCOO((data, indices), shape=M.shape)
@@ -440,6 +441,13 @@ ERRORS = [
         ValueError,
         r"`spectrum_interval\(key=...\)` must be a `jax.random` key for "
         r'method="lanczos" \(it draws the start vector\); got None\.',
+    ),
+    _case(
+        "key-int",
+        lambda: unchecked(krylovjax.spectrum_interval)(M2, method="lanczos", key=0),
+        TypeError,
+        r"`spectrum_interval\(key=...\)` must be one JAX PRNG key, e.g. "
+        r"`jax.random.key\(0\)`; got int\.",
     ),
     _case(
         "callable-n",
