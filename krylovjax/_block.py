@@ -97,6 +97,7 @@ from ._checks import (
     as_array,
     check_choice,
     check_depth,
+    check_matrix_shape,
     check_output_size,
     standard_result_type,
 )
@@ -413,8 +414,11 @@ def check_block_problem(
             f"columns of `{block}`; got d = {d}."
         )
         raise ValueError(msg)
-    # The operator is checked against one column: a callable maps vectors.
-    operator, x0 = as_operator(A, X0[:, 0], fn_name, block)
+    # The operator is checked against one column (a callable maps vectors), a
+    # matrix's shape against the whole block.
+    if hasattr(A, "shape") and not callable(A):
+        check_matrix_shape(A.shape, X0, fn_name, block)
+    operator, x0 = as_operator(A, X0[:, 0], fn_name, block, column=True)
     X0 = X0.astype(x0.dtype)
     return _in_dtype(operator, working_dtype(X0.dtype)), X0, d
 

@@ -327,10 +327,12 @@ def closure_convert(fn: Callable, *args: Any) -> Callable:
 
 
 def as_operator(
-    A: Any, x0: Array, fn_name: str, vector: str = "x0"
+    A: Any, x0: Array, fn_name: str, vector: str = "x0", column: bool = False
 ) -> tuple[AbstractOperator, Array]:
     """Validate `A` against `x0` and return `(operator, x0)` in the internal form;
-    errors call `x0` by its argument name in `fn_name`, `vector`.
+    errors call `x0` by its argument name in `fn_name`, `vector`, or with `column`
+    a column of it (a block method checks its operator against one column; a
+    matrix's shape is checked against the whole block there).
 
     For a matrix `A` (dense or BCOO) the dtypes of `A` and `x0` are promoted to their
     common type (`jnp.result_type` under JAX's standard rules, also when the caller
@@ -363,22 +365,23 @@ def as_operator(
         return DenseOperator(A.astype(dtype)), x0.astype(dtype)
     if callable(A):
         fn, out = convert_callable(A, x0, arg, f"{fn_name}({vector}=...)")
+        like = f"a column of `{vector}`" if column else f"`{vector}`"
         if not isinstance(out, jax.ShapeDtypeStruct):
             msg = (
                 f"`{arg}` must be a callable that returns one array of the same shape "
-                f"and dtype as `{vector}`; it returned a pytree {out}."
+                f"and dtype as {like}; it returned a pytree {out}."
             )
             raise TypeError(msg)
         if out.shape != x0.shape:
             msg = (
                 f"`{arg}` must be a callable that returns an array of the same shape "
-                f"as `{vector}`, {x0.shape}; it returned shape {out.shape}."
+                f"as {like}, {x0.shape}; it returned shape {out.shape}."
             )
             raise ValueError(msg)
         if out.dtype != x0.dtype:
             msg = (
                 f"`{arg}` must be a callable that returns an array of the same dtype "
-                f"as `{vector}`, {x0.dtype}; it returned dtype {out.dtype}."
+                f"as {like}, {x0.dtype}; it returned dtype {out.dtype}."
             )
             raise TypeError(msg)
         mesh = explicit_mesh(fn, x0, out)

@@ -722,6 +722,22 @@ ERRORS = [
         r"`block_lanczos\(X0=\.\.\.\)` must have first axis of length 3",
         True,
     ),
+    (
+        (np.eye(3), np.ones((4, 2)), 1),
+        {},
+        ValueError,
+        r"`block_lanczos\(X0=\.\.\.\)` must have first axis of length 3 to match "
+        r"`A` of shape \(3, 3\); got shape \(4, 2\)\.",
+        True,
+    ),
+    (
+        (lambda v: v[:3], np.ones((4, 2)), 1),
+        {},
+        ValueError,
+        r"`block_lanczos\(A=\.\.\.\)` must be a callable that returns an array of the "
+        r"same shape as a column of `X0`, \(4,\); it returned shape \(3,\)\.",
+        True,
+    ),
     ((np.eye(4), np.ones((4, 1), int), 1), {}, TypeError, r"`block_lanczos\(X0", True),
     (
         (np.eye(4), np.ones((4, 1)), 1),
