@@ -512,6 +512,10 @@ TARGETED = (
             ("readout", "bcoo", {"gathered": True, "context": "inside"}),
             ("readout", "dense", {"closed": True, "gathered": True}),
             ("graph_conv", "bcoo", {"closed": True, "gathered": True}),
+            ("iterate", "closure", {"closed": True}),
+            ("lanczos", "dense", {"closed": True}),
+            ("funm_action", "dense", {"closed": True}),
+            ("block_funm", "dense", {"closed": True}),
         )
     ),
 )
