@@ -124,7 +124,7 @@ from ._orthogonal import (
     working_dtype,
 )
 from ._rules import tangent_or_none
-from ._sharding import gathered
+from ._sharding import check_invariant, gathered
 from ._typing import OperatorLike, StaticInt
 
 # The derivative rules the block methods offer, by their `adjoint=` names.
@@ -419,6 +419,7 @@ def check_block_problem(
     if hasattr(A, "shape") and not callable(A):
         check_matrix_shape(A.shape, X0, fn_name, block)
     operator, x0 = as_operator(A, X0[:, 0], fn_name, block, column=True)
+    check_invariant((operator, X0), f"`{fn_name}`")
     X0 = X0.astype(x0.dtype)
     return _in_dtype(operator, working_dtype(X0.dtype)), X0, d
 

@@ -37,7 +37,13 @@ from ._checks import as_array, check_choice, check_depth, check_output_size
 from ._operator import closure_convert, convert_callable
 from ._rules import cotangent_like, reverse_rule
 from ._sequence import ADJOINTS, Adjoint, trajectory, with_first
-from ._sharding import any_unplaced, explicit_mesh, on_common_mesh, typed_like
+from ._sharding import (
+    any_unplaced,
+    check_invariant,
+    explicit_mesh,
+    on_common_mesh,
+    typed_like,
+)
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 from ._typing import StaticInt
 
@@ -279,6 +285,7 @@ def _iterate_custom_jvp(step, x0, *, d: int):
 
 @_iterate_custom_jvp.def_jvp
 def _iterate_jvp(primals, tangents, *, d):
+    check_invariant(primals, "The derivative of `iterate`")
     step, x0 = primals
     t_step, t_x0 = tangents
     xs = iterate_scan(step, x0, d)

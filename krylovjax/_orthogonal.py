@@ -102,7 +102,7 @@ from ._operator import (
     as_operator,
 )
 from ._rules import cotangent_like, fold_batch, tangent_or_none
-from ._sharding import explicit_mesh, typed_like
+from ._sharding import check_invariant, explicit_mesh, typed_like
 from ._tangent import is_tangent, like_tangent, nones, tangent_primitive
 
 # The derivative rules `arnoldi` and `lanczos` offer, by their `adjoint=` names.
@@ -164,6 +164,7 @@ def check_problem(
         raise ValueError(msg)
     check_output_size(d, [x0], fn_name)
     operator, x0 = as_operator(A, x0, fn_name, vector)
+    check_invariant((operator, x0), f"`{fn_name}`")
     n = x0.shape[0]
     if d > n:
         msg = (

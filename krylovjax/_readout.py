@@ -93,7 +93,7 @@ from ._scan import (
     inexact_zeros,
 )
 from ._schedule import ADJOINT, ADVANCE, LOAD, STORE, plan_checkpoints, reverse_actions
-from ._sharding import typed_like, zeros_stack
+from ._sharding import check_invariant, typed_like, zeros_stack
 from ._tangent import (
     coefficient_cotangents,
     is_tangent,
@@ -900,6 +900,7 @@ def _readout(operator, x0, readout, coefficients, *, plan):
 
 @_readout.def_jvp
 def _readout_jvp(primals, tangents, *, plan):
+    check_invariant(primals, "The derivative of a readout")
     operator, x0, readout, coefficients = primals
     t_operator, t_x0, t_readout, t_coefficients = tangents
     out, stored = readout_forward(operator, x0, readout, coefficients, plan, True)

@@ -27,7 +27,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ._sharding import typed_like
+from ._sharding import check_invariant, typed_like
 
 
 def cotangent_like(ct: Any, like: Any) -> Any:
@@ -87,6 +87,7 @@ def reverse_rule(
     @rule.def_fwd
     def _fwd(perturbed, vjp_arg, d):
         del perturbed
+        check_invariant(vjp_arg, "A reverse-mode rule (`custom_vjp`)")
         out = rule.fn(vjp_arg, d)
         return out, out
 

@@ -82,7 +82,7 @@ from ._chunks import (
 from ._operator import AbstractOperator, DenseOperator
 from ._rules import fold_batch, reverse_rule, tangent_or_none
 from ._sequence import trajectory, with_first
-from ._sharding import is_split, typed_like, zeros_stack
+from ._sharding import check_invariant, is_split, typed_like, zeros_stack
 from ._tangent import (
     coefficient_cotangents,
     is_tangent,
@@ -704,6 +704,7 @@ def _krylov_custom_jvp(operator, x0, coefficients, *, d: int):
 
 @_krylov_custom_jvp.def_jvp
 def _krylov_jvp(primals, tangents, *, d):
+    check_invariant(primals, "The derivative of `krylov`")
     operator, x0, coefficients = primals
     t_operator, t_x0, t_coefficients = tangents
     # The derivative rules read x_1 .. x_(d-2) only: the last vector is computed

@@ -116,6 +116,29 @@ def as_typed(x: Any) -> Any:
     return jax.sharding.reshard(x, jax.typeof(x).sharding)
 
 
+def check_invariant(tree: Any, what: str) -> None:
+    """Raise a `ValueError` if an array of `tree` varies over manual mesh axes:
+    inside `jax.shard_map` with `check_vma=True` (its default), where the
+    decompositions' loops (whose carries start from fresh, invariant arrays) and
+    the derivative rules (whose cotangents do not follow the varying types) fail
+    JAX's type checks. `what`: the function or rule, for the message. With
+    `check_vma=False` they run as on one device."""
+    axes = set()
+    for leaf in jtu.tree_leaves(tree):
+        if eqx.is_array(leaf):
+            manual = getattr(jax.typeof(leaf), "manual_axis_type", None)
+            axes |= set(getattr(manual, "varying", ()))
+    if axes:
+        msg = (
+            f"{what} got arrays that vary over the manual axes "
+            f"{tuple(sorted(axes))} of a `jax.shard_map` with `check_vma=True` "
+            f"(its default), which krylovjax does not support: pass "
+            f"`check_vma=False` to `jax.shard_map`, with which krylovjax runs on "
+            f"each device's arrays as on one device."
+        )
+        raise ValueError(msg)
+
+
 def zeros_stack(x: Array, size: int) -> Array:
     """Zeros of shape `(size, *x.shape)`, each row typed like `x`: on an
     `Explicit` mesh `jnp.zeros_like` of a concrete array (one a jitted function

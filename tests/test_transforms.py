@@ -23,6 +23,7 @@ from helpers import (
     scalar_loss,
     tol,
 )
+from jax.sharding import PartitionSpec as P
 
 import krylovjax
 
@@ -359,3 +360,50 @@ def test_derivative_in_a_python_float_that_a_callable_closes_over():
                 raise AssertionError(msg) from None
         if case[0] == "krylov":
             assert_trees_close(expected, closed, **TOL, err_msg=str(case))
+
+
+def test_inside_shard_map():
+    """Inside `jax.shard_map` (one device here: the manual axis types are the
+    same on any number): with `check_vma=False` every function computes on the
+    device's arrays what it does outside, values and gradients; with the default
+    `check_vma=True` a varying start vector gives a `ValueError` that says so,
+    from the decompositions and from the derivative rules."""
+    mesh = jax.make_mesh((1,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    S = rng.standard_normal((6, 6))
+    S = (S + S.T) / 4
+    X = rng.standard_normal((1, 6))
+    fns = {
+        "krylov": lambda A, x: krylovjax.krylov(A, x, 4),
+        "chebyshev": lambda A, x: krylovjax.krylov(
+            A, x, 4, basis=krylovjax.Chebyshev(-3.0, 3.0)
+        ),
+        "doubling": lambda A, x: krylovjax.krylov(A, x, 4, method="doubling"),
+        "readout": lambda A, x: krylovjax.polynomial_action(A, x, jnp.ones(4)),
+        "iterate": lambda A, x: krylovjax.iterate(lambda v: jnp.tanh(A @ v), x, 4),
+        "lanczos": lambda A, x: krylovjax.lanczos(A, x, 4).basis,
+        "funm_action": lambda A, x: krylovjax.funm_action(
+            jnp.exp, A, x, 4, method="lanczos"
+        ),
+    }
+
+    def value_and_grad(f):
+        return jax.value_and_grad(lambda A, x: jnp.sum(jnp.sin(f(A, x))), (0, 1))
+
+    def mapped(f, check_vma):
+        def local(A, X):
+            value, (g_A, g_x) = value_and_grad(f)(A, X[0])
+            return value[None], g_A, g_x[None]
+
+        specs = (P(), P("b"))
+        out = (P("b"), P(), P("b"))
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=specs, out_specs=out, check_vma=check_vma
+        )
+
+    for name, f in fns.items():
+        value, (g_A, g_x) = jax.jit(value_and_grad(f))(S, X[0])
+        got = jax.jit(mapped(f, check_vma=False))(S, X)
+        assert_trees_close(got, (value[None], g_A, g_x[None]), **TOL, err_msg=name)
+        with pytest.raises(ValueError, match=r"pass `check_vma=False`"):
+            jax.jit(mapped(f, check_vma=True))(S, X)
