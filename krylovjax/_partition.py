@@ -755,7 +755,7 @@ def _entries_of(A: Any) -> tuple:
             raise TypeError(msg) from err
         n = A.shape[0]
         rows, cols = indices[:, 0].astype(np.int64), indices[:, 1].astype(np.int64)
-        rows, cols = (np.where(i < 0, i + A.shape[0], i) for i in (rows, cols))
+        rows, cols = (np.where(i < 0, i + n, i) for i in (rows, cols))
     elif hasattr(A, "tocoo") and hasattr(A, "shape"):  # SciPy sparse
         coo = A.tocoo()
         if coo.shape[0] != coo.shape[1]:
