@@ -199,7 +199,16 @@ def test_gradients():
         np.testing.assert_allclose(jvp[name], want, rtol=1e-8, err_msg=name)
 
 
-def test_second_derivatives():
+SECOND_DERIVATIVE_CASES = {
+    "hutchinson": {"num_probes": 3},
+    "hutch++": {"estimator": "hutch++", "num_probes": 5, "num_sketch": 2},
+    "krylov-aware": {"estimator": "krylov-aware", "num_probes": 3, "num_sketch": 2},
+    "block": {"num_probes": 4, "block_size": 2},
+}
+
+
+@pytest.mark.parametrize("name", SECOND_DERIVATIVE_CASES)
+def test_second_derivatives(name):
     """`jax.hessian` and reverse over reverse, for every estimator and the block
     path, against central differences of the first derivative. On A(s) = s A_0
     with f = log, Hutchinson's and the Krylov-aware estimate are a constant plus a
@@ -208,28 +217,22 @@ def test_second_derivatives():
     (Hutch++'s sketch is of f(A), whose range depends on s.) These failed in
     reverse over reverse, and the Krylov-aware estimator's was 0."""
     A0 = spd(12, seed=3)
-    cases = {
-        "hutchinson": {"num_probes": 3},
-        "hutch++": {"estimator": "hutch++", "num_probes": 5, "num_sketch": 2},
-        "krylov-aware": {"estimator": "krylov-aware", "num_probes": 3, "num_sketch": 2},
-        "block": {"num_probes": 4, "block_size": 2},
-    }
+    options = SECOND_DERIVATIVE_CASES[name]
     s, h = 1.3, 1e-4
-    for name, options in cases.items():
-        d = 3 if name == "block" else 6
+    d = 3 if name == "block" else 6
 
-        def f(s):
-            return krylovjax.trace_funm(jnp.log, s * A0, jr.key(0), d, **options)  # noqa: B023
+    def f(s):
+        return krylovjax.trace_funm(jnp.log, s * A0, jr.key(0), d, **options)
 
-        # The grad of a jitted function: differentiating its compiled program.
-        first = jax.jit(jax.grad(jax.jit(f)))
-        central = (first(s + h) - first(s - h)) / (2 * h)
-        for mode in (jax.jacfwd, jax.jacrev):
-            second = jax.jit(mode(first))(s)
-            np.testing.assert_allclose(second, central, rtol=1e-6, err_msg=name)
-            if name != "hutch++":
-                want = -first(s) / s
-                np.testing.assert_allclose(second, want, rtol=1e-10, err_msg=name)
+    # The grad of a jitted function: differentiating its compiled program.
+    first = jax.jit(jax.grad(jax.jit(f)))
+    central = (first(s + h) - first(s - h)) / (2 * h)
+    for mode in (jax.jacfwd, jax.jacrev):
+        second = jax.jit(mode(first))(s)
+        np.testing.assert_allclose(second, central, rtol=1e-6, err_msg=name)
+        if name != "hutch++":
+            want = -first(s) / s
+            np.testing.assert_allclose(second, want, rtol=1e-10, err_msg=name)
 
 
 def test_gradient_is_unbiased_over_many_keys():
@@ -537,43 +540,45 @@ def test_hutch_plus_plus_with_an_empty_sketch():
         assert int(info.rank) == 0
 
 
-def test_probes_in_batches():
+PROBE_BATCH_CASES = {
+    "hutchinson": ({}, 3),
+    "hutch++": ({"estimator": "hutch++"}, 3),
+    "krylov-aware": ({"estimator": "krylov-aware"}, 2),
+    "blocks": ({"block_size": 2, "num_probes": 6}, 4),
+}
+
+
+@pytest.mark.parametrize("name", PROBE_BATCH_CASES)
+def test_probes_in_batches(name):
     """`probes_per_batch` runs the probes a few at a time (a full batch and a
     smaller rest here, and for Hutch++ a sketch smaller than a batch): the same
     values, VJPs and JVPs as all at once, for every estimator and for blocks,
-    float64. One program."""
+    float64. One program per estimator."""
     n, d, m = 24, 5, 7
     S = spd(n, seed=3)
     T = symmetrise(jr.normal(jr.key(1), (n, n), jnp.float64))
-    cases = {
-        "hutchinson": ({}, 3),
-        "hutch++": ({"estimator": "hutch++"}, 3),
-        "krylov-aware": ({"estimator": "krylov-aware"}, 2),
-        "blocks": ({"block_size": 2, "num_probes": 6}, 4),
-    }
+    options, size = PROBE_BATCH_CASES[name]
+    options = {"num_probes": m, **options}
 
     @jax.jit
     def run(S, T):
         out = {}
-        for name, (options, size) in cases.items():
-            options = {"num_probes": m, **options}
-            for batch in (None, size):
+        for batch in (None, size):
 
-                def f(S, options=options, batch=batch):
-                    return krylovjax.trace_funm(
-                        jnp.log, S, jr.key(2), d, probes_per_batch=batch, **options
-                    )
+            def f(S, batch=batch):
+                return krylovjax.trace_funm(
+                    jnp.log, S, jr.key(2), d, probes_per_batch=batch, **options
+                )
 
-                out[name, batch is None] = value_vjp_jvp(f, (S,), (T,), 1.0)
+            out[batch is None] = value_vjp_jvp(f, (S,), (T,), 1.0)
         return out
 
     out = run(S, T)
-    for name in cases:
-        value, vjp, jvp = out[name, False]
-        want_value, want_vjp, want_jvp = out[name, True]
-        np.testing.assert_allclose(value, want_value, rtol=1e-12, err_msg=name)
-        np.testing.assert_allclose(vjp[0], want_vjp[0], rtol=1e-9, atol=1e-12)
-        np.testing.assert_allclose(jvp, want_jvp, rtol=1e-9, err_msg=name)
+    value, vjp, jvp = out[False]
+    want_value, want_vjp, want_jvp = out[True]
+    np.testing.assert_allclose(value, want_value, rtol=1e-12, err_msg=name)
+    np.testing.assert_allclose(vjp[0], want_vjp[0], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(jvp, want_jvp, rtol=1e-9, err_msg=name)
 
 
 def test_probes_in_batches_bound_the_memory():
