@@ -200,7 +200,10 @@ def minimal_fn(name, d):
 
     def adjoint(A, G):
         # lambda_k = g_k + A^T lambda_{k+1}, from the last step to the first.
-        step = lambda w, g: (g + w @ A, g + w @ A)  # noqa: E731
+        def step(w, g):
+            lam = g + w @ A
+            return lam, lam
+
         return jax.lax.scan(step, jnp.zeros_like(G[0]), G, reverse=True)[1]
 
     def readout(A, x0, C, theta):
